@@ -1,0 +1,432 @@
+"""tigpo.py: the TIGPO algorithm core (arXiv 2609.03383), equations E1-E11 of DESIGN.md.
+
+Three pieces, Python standard library only, plain data in and out, so that verl, TRL or
+OpenRLHF code can copy this file and call it as is:
+  * compute_advantages: the GRPO (E1), GiGPO (E1-E3), GraphGPO (E1, E3-E6) and TIGPO
+    (E1-E9: persistent graph E7 + cross-temporal episode advantage E8) advantages;
+  * GraphMemory: the persistent per-task instance graph H (E7), written only by add (E10);
+  * RevisitScheduler: the exploration-revisit schedule of group slots (E11).
+
+A batch is a list of groups; a group is K rollouts of one task:
+    {"task": task_key,                        # kappa(x), stable across updates
+     "kind": "explore" | "revisit",           # missing means "explore" *(choice)*
+     "ref_scores": [z, ...],                  # Z_E, revisit groups only
+     "trajs": [{"states": [s0, ..., sT],      # T+1 state keys (str)
+                "valid": [v0, ..., vT-1],     # T admissible-action flags
+                "score": R,                   # outcome score R_i
+                "success": bool}, ...]}
+Details the paper leaves open are marked *(choice)* here and in DESIGN.md.
+"""
+import math
+import random
+from collections import deque
+
+__all__ = ["SUCCESS", "ALGOS", "NORMS", "compute_advantages", "GraphMemory", "RevisitScheduler"]
+
+SUCCESS = "<success>"   # E4: the goal sink every won trajectory's last step leads to
+ALGOS = ("grpo", "gigpo", "graphgpo", "tigpo")
+NORMS = ("mean_std", "mean")
+
+
+# ---------------------------------------------------------------------------------------------
+# Input checks. Every error names the group, so a bad rollout can be found in a batch of 16.
+# ---------------------------------------------------------------------------------------------
+
+def _check_trajs(group, g):
+    where = f"group {g} (task {group.get('task')!r})"
+    if "task" not in group:
+        raise ValueError(f"{where} has no 'task' key: every group needs its task key kappa(x)")
+    trajs = group.get("trajs")
+    if not trajs:
+        raise ValueError(f"{where} is empty: a group needs at least one trajectory in 'trajs'")
+    for i, traj in enumerate(trajs):
+        missing = [k for k in ("states", "valid", "score", "success") if k not in traj]
+        if missing:
+            raise ValueError(f"{where}, trajectory {i}: missing keys {missing}")
+        if len(traj["valid"]) != len(traj["states"]) - 1:
+            raise ValueError(
+                f"{where}, trajectory {i}: len(valid) = {len(traj['valid'])} but len(states) = "
+                f"{len(traj['states'])}; give one valid flag per action, i.e. len(states) - 1")
+    return where
+
+
+def _check_groups(groups, algo, norm):
+    if algo not in ALGOS:
+        raise ValueError(f"unknown algo {algo!r}: use one of {ALGOS}")
+    if norm not in NORMS:
+        raise ValueError(f"unknown norm {norm!r}: use one of {NORMS}")
+    for g, group in enumerate(groups):
+        where = _check_trajs(group, g)
+        kind = group.get("kind", "explore")
+        if kind not in ("explore", "revisit"):
+            raise ValueError(f"{where} has kind {kind!r}: use 'explore' or 'revisit'")
+        # Checked for every algo, not only tigpo, so a broken schedule fails on any baseline too.
+        if kind == "revisit" and not group.get("ref_scores"):
+            raise ValueError(f"{where} is a revisit group without ref_scores: pass the scores Z_E "
+                             f"recorded when the task was explored (RevisitScheduler.plan gives them)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared pieces: E1's statistics rule and the next state of a step (E4's success sink).
+# ---------------------------------------------------------------------------------------------
+
+def _norm_stats(pool, norm, eps):
+    """E1's statistics of a reference set Z, shared by E1, E3 and E8: returns (mean, scale) so
+    that an advantage is (z - mean) / scale. scale = sample std (ddof=1, as torch.std) + eps, or
+    1.0 for norm="mean" (GiGPO "w/o std"; dividing by 1.0 is exact). A set of one gives None:
+    its advantage is 0 *(choice: verl-agent gives a lone rollout its raw score)*."""
+    n = len(pool)
+    if n == 1:
+        return None
+    mean = sum(pool) / n
+    if norm == "mean":
+        return mean, 1.0
+    return mean, math.sqrt(sum((z - mean) ** 2 for z in pool) / (n - 1)) + eps
+
+
+def _next_states(traj):
+    """s_{i,t+1} of every step of a trajectory, except that the last step of a won trajectory
+    leads to the sink SUCCESS (E4). Used by both the batch graph (E4) and the memory (E10)."""
+    nexts = traj["states"][1:]   # a slice is a copy: the caller's list is never changed
+    if traj["success"] and nexts:
+        nexts[-1] = SUCCESS
+    return nexts
+
+
+# ---------------------------------------------------------------------------------------------
+# Step returns: E2 (GiGPO) and E4-E7 (GraphGPO / TIGPO). Each returns, for one task, the flat
+# lists (source states, step returns) over all its current steps in batch order.
+# ---------------------------------------------------------------------------------------------
+
+def _discounted_returns(trajs, step_gamma, invalid_penalty):
+    """E2: R_{i,t} = step_gamma^(T_i-1-t) * R_i - p * (1 - v_{i,t}); the outcome arrives at the
+    last step, so earlier steps see it discounted."""
+    srcs, values = [], []
+    for traj in trajs:
+        score, valid = float(traj["score"]), traj["valid"]
+        last = len(valid) - 1
+        srcs += traj["states"][:-1]
+        values += [score * step_gamma ** (last - t) - (0.0 if ok else invalid_penalty)
+                   for t, ok in enumerate(valid)]
+    return srcs, values
+
+
+def _distances(batch_preds, hist_preds):
+    """E5 on the graph H u G (E7; H is empty for GraphGPO): for every node that is the next state
+    of a current step (the keys of batch_preds), the fewest edges to SUCCESS, found by BFS from
+    SUCCESS over reversed edges. A node that cannot reach SUCCESS gets d_max + 1, d_max the
+    largest finite distance of the whole graph; with no SUCCESS node at all every node gets 1
+    (GraphGPO's convention).
+
+    Fast path: the BFS walks the memory's own reversed index in place (no copy or merge of H)
+    and stops as soon as every current next state has its distance. It runs to the end only
+    when some next state cannot reach SUCCESS, which is exactly when d_max is needed."""
+    if SUCCESS not in batch_preds and SUCCESS not in hist_preds:
+        return dict.fromkeys(batch_preds, 1)
+    dist = {SUCCESS: 0}
+    left = len(batch_preds) - (SUCCESS in batch_preds)   # current next states still unseen
+    frontier, d = [SUCCESS], 0
+    while frontier and left:
+        d += 1
+        found = []
+        for node in frontier:
+            for graph in (batch_preds, hist_preds):
+                for src in graph.get(node, ()):
+                    if src not in dist:
+                        dist[src] = d
+                        found.append(src)
+                        if src in batch_preds:
+                            left -= 1
+        frontier = found
+    if left:   # the BFS ran to the end: level d found nothing, so d_max = d - 1
+        return {n: dist.get(n, d) for n in batch_preds}   # unreachable: d_max + 1 = d
+    return {n: dist[n] for n in batch_preds}
+
+
+def _graph_returns(trajs, hist_preds, success_reward, graph_gamma, invalid_penalty):
+    """E4 + E6: q_{i,t} = C * graph_gamma^d(s_{i,t+1}) - p * (1 - v_{i,t}), with d from E5 on the
+    batch-local graph G_x of this task's current steps (invalid steps and self-loops included)
+    joined with the task's persistent graph H_x (E7; hist_preds, empty for GraphGPO). History
+    only changes distances: it never adds a step to the output."""
+    batch_preds, nexts_of = {}, []   # batch_preds: reversed G_x, {next state: [source states]}
+    for traj in trajs:
+        nexts = _next_states(traj)
+        nexts_of.append(nexts)
+        for src, nxt in zip(traj["states"], nexts):
+            into = batch_preds.get(nxt)
+            if into is None:
+                batch_preds[nxt] = [src]
+            else:
+                into.append(src)
+    value = {n: success_reward * graph_gamma ** d
+             for n, d in _distances(batch_preds, hist_preds).items()}
+    srcs, values = [], []
+    for traj, nexts in zip(trajs, nexts_of):
+        srcs += traj["states"][:-1]
+        values += [value[n] if ok else value[n] - invalid_penalty
+                   for n, ok in zip(nexts, traj["valid"])]
+    return srcs, values
+
+
+def _anchor_normalise(srcs, values, norm, eps):
+    """E3: normalise each step value within its anchor group, the current steps of one task that
+    share a source state s_{i,t} (the caller passes one task at a time, so the key (task, s) of
+    DESIGN.md is the state alone here), with E1's statistics rule; a group of one gives 0."""
+    anchors = {}   # {state: [values]} in batch order
+    for s, v in zip(srcs, values):
+        bucket = anchors.get(s)
+        if bucket is None:
+            anchors[s] = [v]
+        else:
+            bucket.append(v)
+    stats = {s: _norm_stats(b, norm, eps) for s, b in anchors.items() if len(b) > 1}
+    out = []
+    for s, v in zip(srcs, values):
+        st = stats.get(s)
+        out.append(0.0 if st is None else (v - st[0]) / st[1])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The advantages of all four algorithms (DESIGN.md table) and their combination (E9).
+# ---------------------------------------------------------------------------------------------
+
+def compute_advantages(groups, algo="tigpo", memory=None, *, success_reward=10.0,
+                       invalid_penalty=0.1, step_gamma=0.95, graph_gamma=0.1,
+                       lambda_step=1.0, lambda_ep=1.0, norm="mean_std", eps=1e-6,
+                       cross_temporal=True):
+    """Per-step advantages, [group][traj][step], for one batch of groups.
+
+      grpo:     A_{i,t} = lambda_ep * A^ep_i                        (E1, no step term)
+      gigpo:    A_{i,t} = lambda_step * E3(E2) + lambda_ep * A^ep_i  (E9)
+      graphgpo: A_{i,t} = lambda_step * E3(E6 on G_x) + lambda_ep * A^ep_i
+      tigpo:    A_{i,t} = lambda_step * E3(E6 on H_x u G_x) + lambda_ep * A^ep_i, where A^ep is
+                E8 (scores pooled with ref_scores) for revisit groups when cross_temporal, else E1.
+
+    Step groups (E3) and graphs (E4/E7) are per task over all current groups of that task in the
+    batch, explore and revisit alike. `memory` (a GraphMemory, or None for an empty one) is read
+    by tigpo only and never written: call memory.add(groups) after the update (E10). Inputs are
+    never mutated. A trajectory with no action gets an empty step list. Raises ValueError on an
+    unknown algo or norm, an empty group, ragged states/valid, or a revisit group without
+    ref_scores."""
+    _check_groups(groups, algo, norm)
+    if memory is not None and not isinstance(memory, GraphMemory):
+        raise ValueError(f"memory must be a GraphMemory or None, got {type(memory).__name__}")
+
+    # Episode term, one value per trajectory: E1, or E8 for a tigpo revisit group.
+    episode = []
+    for group in groups:
+        scores = [float(traj["score"]) for traj in group["trajs"]]
+        pool = scores
+        if algo == "tigpo" and cross_temporal and group.get("kind", "explore") == "revisit":
+            pool = [float(z) for z in group["ref_scores"]] + scores   # Z = Z_E u Z_now (E8)
+        st = _norm_stats(pool, norm, eps)
+        episode.append([0.0] * len(scores) if st is None else [(z - st[0]) / st[1] for z in scores])
+
+    if algo == "grpo":
+        return [[[lambda_ep * ep] * len(traj["valid"]) for traj, ep in zip(group["trajs"], row)]
+                for group, row in zip(groups, episode)]
+
+    # Step term, task by task: every current step of a task, in batch order, then back to groups.
+    by_task = {}
+    for g, group in enumerate(groups):
+        by_task.setdefault(group["task"], []).append(g)
+    out = [None] * len(groups)
+    for task, members in by_task.items():
+        trajs = [traj for g in members for traj in groups[g]["trajs"]]
+        if algo == "gigpo":
+            srcs, values = _discounted_returns(trajs, step_gamma, invalid_penalty)
+        else:
+            hist = memory.preds.get(task, {}) if algo == "tigpo" and memory is not None else {}
+            srcs, values = _graph_returns(trajs, hist, success_reward, graph_gamma,
+                                          invalid_penalty)
+        step = _anchor_normalise(srcs, values, norm, eps)
+        pos = 0
+        for g in members:
+            per_traj = []
+            for traj, ep in zip(groups[g]["trajs"], episode[g]):
+                end = pos + len(traj["valid"])
+                e = lambda_ep * ep
+                per_traj.append([lambda_step * a + e for a in step[pos:end]])   # E9
+                pos = end
+            out[g] = per_traj
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Persistent instance graph H (E7, E10).
+# ---------------------------------------------------------------------------------------------
+
+class GraphMemory:
+    """H: the persistent transition graph of every task, {task: {src: {dst}}} (E7), written only
+    by add (E10). It is stored reversed, `preds[task][dst] = {src, ...}`, because E5's BFS walks
+    edges backwards from SUCCESS; `order[task]` keeps the edges in first-insertion order.
+
+    Bound *(choice)*: with max_edges_per_task = N, inserting a task's (N+1)-th edge evicts that
+    task's oldest-inserted edge (FIFO by first insertion; re-adding a stored edge does not
+    refresh it). A node exists while some stored edge touches it."""
+
+    def __init__(self, max_edges_per_task=None):
+        if max_edges_per_task is not None and (
+                isinstance(max_edges_per_task, bool) or not isinstance(max_edges_per_task, int)
+                or max_edges_per_task < 1):
+            raise ValueError(f"max_edges_per_task must be None (unbounded) or an int >= 1, "
+                             f"got {max_edges_per_task!r}")
+        self.max_edges_per_task = max_edges_per_task
+        self.preds = {}   # {task: {dst: set(src)}}: the reversed graph, read by compute_advantages
+        self.order = {}   # {task: deque([(src, dst), ...])}: first-insertion order of the edges
+
+    def add(self, groups):
+        """E10: H_x <- H_x u {valid transitions of G_x}. Invalid actions and self-loops are not
+        stored *(choice)*; the success edge of a won trajectory's last step is, when that step
+        was valid."""
+        for g, group in enumerate(groups):
+            _check_trajs(group, g)
+            for traj in group["trajs"]:
+                self._insert(group["task"], [
+                    (src, nxt) for src, nxt, ok in zip(traj["states"], _next_states(traj),
+                                                        traj["valid"]) if ok and src != nxt])
+
+    def _insert(self, task, pairs):
+        if not pairs:
+            return   # a task enters the memory with its first edge, never empty
+        preds = self.preds.setdefault(task, {})
+        order = self.order.setdefault(task, deque())
+        cap = self.max_edges_per_task
+        for src, dst in pairs:
+            into = preds.get(dst)
+            if into is None:
+                preds[dst] = {src}
+            elif src in into:
+                continue
+            else:
+                into.add(src)
+            order.append((src, dst))
+            if cap is not None and len(order) > cap:
+                old_src, old_dst = order.popleft()
+                old = preds[old_dst]
+                old.discard(old_src)
+                if not old:
+                    del preds[old_dst]
+
+    def edges(self, task):
+        """The stored graph of one task as {src: {dst}}, a fresh copy; {} for an unknown task."""
+        out = {}
+        for src, dst in self.order.get(task, ()):
+            out.setdefault(src, set()).add(dst)
+        return out
+
+    def _nodes(self, task):
+        return {node for edge in self.order.get(task, ()) for node in edge}
+
+    def stats(self, groups=None):
+        """The diagnostics the paper plots: stored tasks, nodes (SUCCESS counts as a node of each
+        task that reached it) and edges. With `groups` (call it before add), also task_hit_rate,
+        the fraction of those groups whose task is stored, and state_hit_rate, the fraction of
+        their current source states s_{i,t} (every step counts) already a node of that task's
+        stored graph; each is 0.0 when there is nothing to count. Costs O(edges of the tasks)."""
+        out = {"tasks": len(self.order), "nodes": sum(len(self._nodes(t)) for t in self.order),
+               "edges": sum(len(o) for o in self.order.values())}
+        if groups is not None:
+            nodes_of, steps, hits = {}, 0, 0
+            for group in groups:
+                task = group["task"]
+                if task not in nodes_of:
+                    nodes_of[task] = self._nodes(task)
+                for traj in group["trajs"]:
+                    src_states = traj["states"][:-1]
+                    steps += len(src_states)
+                    hits += sum(s in nodes_of[task] for s in src_states)
+            stored = sum(group["task"] in self.order for group in groups)
+            out["task_hit_rate"] = stored / len(groups) if groups else 0.0
+            out["state_hit_rate"] = hits / steps if steps else 0.0
+        return out
+
+    def state_dict(self):
+        """JSON-serialisable: the bound and every task's edges in first-insertion order."""
+        return {"max_edges_per_task": self.max_edges_per_task,
+                "edges": {task: [[src, dst] for src, dst in order]
+                          for task, order in self.order.items()}}
+
+    def load_state_dict(self, state):
+        """Replace this memory by a saved one (bound included); the eviction order survives."""
+        self.__init__(state["max_edges_per_task"])
+        for task, edges in state["edges"].items():
+            self._insert(task, [(src, dst) for src, dst in edges])
+
+
+# ---------------------------------------------------------------------------------------------
+# Exploration-revisit schedule (E11).
+# ---------------------------------------------------------------------------------------------
+
+class RevisitScheduler:
+    """E11: num_groups group slots per update, at most revisit_groups of them revisits.
+
+    Every exploration group of update k is queued (FIFO) as (k, task, Z_E) by record. plan(k)
+    fills revisit slots from the queue front while the front entry is due (k_E + delay <= k);
+    each entry is used once *(choice)*. Slots left over go to exploration, so the rollout budget
+    num_groups * K never changes. Exploration walks a seeded shuffle of `tasks`, reshuffled at
+    each epoch start (an epoch may end in the middle of a plan). Call plan once per update."""
+
+    def __init__(self, tasks, num_groups, revisit_groups, delay, seed=0):
+        self.tasks = list(tasks)
+        if not self.tasks:
+            raise ValueError("RevisitScheduler needs a non-empty list of tasks to explore")
+        for name, value in (("num_groups", num_groups), ("revisit_groups", revisit_groups),
+                            ("delay", delay)):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if revisit_groups > num_groups:
+            raise ValueError(f"revisit_groups ({revisit_groups}) > num_groups ({num_groups}): "
+                             f"revisits take slots of the fixed budget, use at most num_groups")
+        self.num_groups, self.revisit_groups, self.delay = num_groups, revisit_groups, delay
+        self.rng = random.Random(seed)
+        self.queue = deque()   # (k_E, task, Z_E), oldest first
+        self.epoch = []        # this epoch's shuffled task order ...
+        self.pos = 0           # ... and how much of it has been explored
+
+    def plan(self, update):
+        """The num_groups slots of update `update`: revisits first, then explorations; each a
+        dict {"task", "kind", "ref_scores"} (ref_scores None for explorations)."""
+        slots = []
+        while (len(slots) < self.revisit_groups and self.queue
+               and self.queue[0][0] + self.delay <= update):
+            _, task, ref_scores = self.queue.popleft()
+            slots.append({"task": task, "kind": "revisit", "ref_scores": list(ref_scores)})
+        while len(slots) < self.num_groups:
+            if self.pos == len(self.epoch):   # epoch start: a fresh pass over the task list
+                self.epoch = list(self.tasks)
+                self.rng.shuffle(self.epoch)
+                self.pos = 0
+            slots.append({"task": self.epoch[self.pos], "kind": "explore", "ref_scores": None})
+            self.pos += 1
+        return slots
+
+    def record(self, update, groups):
+        """Queue this update's exploration groups with their detached scores Z_E (E8, E11)."""
+        for group in groups:
+            if group.get("kind", "explore") == "explore":
+                self.queue.append(
+                    (update, group["task"], [float(traj["score"]) for traj in group["trajs"]]))
+
+    def state_dict(self):
+        """JSON-serialisable, RNG included, so the next plans after a round trip are identical."""
+        version, internal, gauss_next = self.rng.getstate()
+        return {"tasks": list(self.tasks), "num_groups": self.num_groups,
+                "revisit_groups": self.revisit_groups, "delay": self.delay,
+                "queue": [[k, task, list(z)] for k, task, z in self.queue],
+                "epoch": list(self.epoch), "pos": self.pos,
+                "rng": [version, list(internal), gauss_next]}
+
+    def load_state_dict(self, state):
+        """Restore a saved schedule; the settings must match this scheduler's."""
+        for key in ("tasks", "num_groups", "revisit_groups", "delay"):
+            mine = getattr(self, key)
+            if state[key] != mine:
+                shown = "the task list" if key == "tasks" else f"{state[key]!r} != {mine!r}"
+                raise ValueError(f"scheduler state has a different {key} ({shown}): resume "
+                                 f"with the settings it was saved with")
+        self.queue = deque((k, task, list(z)) for k, task, z in state["queue"])
+        self.epoch, self.pos = list(state["epoch"]), state["pos"]
+        version, internal, gauss_next = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss_next))
