@@ -43,3 +43,236 @@ def parse_action(reply):
         return None
     action = " ".join(found[-1].split())
     return action or None
+
+
+# ---------------------------------------------------------------------------------------------
+# ALFWorld on the real engine (DESIGN.md "Environments"). The same path as ALFWorld's own
+# AlfredTWEnv: textworld's PDDL backend, wrapped in AlfredDemangler (ids -> "mug 1") and
+# AlfredInfos, with won and admissible commands requested. What we add: a per-process memo of
+# textworld's grammar parses (the speed-up), state keys, and the 10/0 reward.
+# ---------------------------------------------------------------------------------------------
+import functools
+import hashlib
+import json
+import os
+import sys
+
+import alfworld_gen
+
+ALFWORLD_TASK_TYPES = tuple(alfworld_gen.TASK_TYPES)   # pick, look, clean, heat, cool, pick2
+SUCCESS_REWARD = 10.0                                  # C of DESIGN.md E6: 10 on a win, else 0
+SPLITS = ("train", "valid_seen", "valid_unseen")
+DEFAULT_NUM_TRAIN, DEFAULT_NUM_EVAL = 24, 6            # the generated default (~30 s, see README)
+BANNER = "-= Welcome to TextWorld, ALFRED! =-"
+NOTHING = "Nothing happens."                           # textworld's answer to a non-admissible command
+_BOOKKEEPING = ("checked", "examined", "new-axiom")    # facts no precondition or goal reads
+
+
+def _install_parse_memo():
+    """TextWorld re-parses (with TatSu) the template of every admissible command and every
+    grammar condition on every step: ~98% of step time. Both parses are pure functions of their
+    text, so memoising them is exact (same observations, same admissible lists). Process-wide,
+    installed once; the CSG parse result is mutated by derive(), hence the deepcopy per use."""
+    from copy import deepcopy
+    from textworld.envs.pddl import textgen
+    from textworld.logic import Rule
+    if getattr(textgen, "_tigpo_memo", False):
+        return
+    parse_symbols = textgen._parse_and_convert
+    parse_query = Rule.parse_conjunctive_query.__func__
+    symbols_cache = functools.lru_cache(maxsize=None)(
+        lambda text, rule_name: parse_symbols(text, rule_name=rule_name))
+
+    def cached_symbols(text, rule_name, **kwargs):
+        if kwargs.get("trace"):
+            return parse_symbols(text, rule_name=rule_name, **kwargs)
+        return deepcopy(symbols_cache(text, rule_name))
+
+    textgen._parse_and_convert = cached_symbols
+    Rule.parse_conjunctive_query = classmethod(functools.lru_cache(maxsize=None)(parse_query))
+    textgen._tigpo_memo = True
+
+
+def _digest(parts):
+    return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
+
+
+class AlfWorldGame:
+    """One ALFWorld game file, played through textworld exactly as AlfredTWEnv plays it.
+    reset() -> (obs, info); step(text) -> (obs, reward, done, info). An action is valid when its
+    normalize_action form is admissible; an invalid one is still a step that changes nothing."""
+
+    def __init__(self, gamefile, max_steps=50, state_key="facts", fast=True):
+        import textworld
+        from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
+        if state_key not in ("facts", "obs"):
+            raise ValueError(f"state_key must be 'facts' or 'obs', got {state_key!r}")
+        if fast:
+            _install_parse_memo()
+        self.gamefile, self.max_steps, self.state_key = gamefile, max_steps, state_key
+        infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"])
+        self._tw = textworld.start(gamefile, infos, wrappers=[AlfredDemangler(shuffle=False), AlfredInfos])
+        self._state, self._steps, self.done = None, 0, True
+
+    def _admissible(self):
+        # "help" only prints the command list: never a useful move, so it is not offered
+        return [a for a in self._state["admissible_commands"] if a != "help"]
+
+    def _state_key(self, obs):
+        facts = self._state["_facts"]          # raw PDDL facts of the current world state
+        if self.state_key == "facts":
+            return _digest(sorted(str(f) for f in facts if not f.name.startswith(_BOOKKEEPING)))
+        where = sorted(str(f.arguments[1].name) for f in facts if f.name == "atlocation")
+        held = sorted(str(f.arguments[1].name) for f in facts if f.name == "holds")
+        return _digest([obs, "|".join(where), "|".join(held)] + sorted(self._admissible()))
+
+    def reset(self):
+        self._state = self._tw.reset()
+        self._steps, self.done = 0, False
+        obs = self._state["feedback"].replace(BANNER, "").strip()
+        goal = obs.split("Your task is to:", 1)[-1].strip()
+        self.admissible = self._admissible()
+        return obs, {"admissible": self.admissible, "state": self._state_key(obs), "goal": goal,
+                     "won": False}
+
+    def step(self, text):
+        if self._state is None or self.done:
+            raise RuntimeError("AlfWorldGame.step: call reset() first (the episode is over)")
+        self._steps += 1
+        lookup = {normalize_action(a): a for a in self.admissible}
+        command = lookup.get(normalize_action(text)) if text is not None else None
+        if command is None:
+            obs = NOTHING   # what textworld answers; skipping its no-op step keeps the state exact
+        else:
+            self._state, _, _ = self._tw.step(command)
+            obs = self._state["feedback"].strip()
+            self.admissible = self._admissible()
+        won = bool(self._state["won"])
+        self.done = won or self._steps >= self.max_steps
+        info = {"won": won, "valid": command is not None, "state": self._state_key(obs),
+                "admissible": self.admissible}
+        return obs, SUCCESS_REWARD if won else 0.0, self.done, info
+
+    def close(self):
+        if self._tw is not None:
+            self._tw.close()
+            self._tw = None
+
+
+def _cache_dir():
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tigpo")
+
+
+def resolve_alfworld_data(data_dir=None, seed=0, num_train=DEFAULT_NUM_TRAIN, num_eval=DEFAULT_NUM_EVAL):
+    """The json_2.1.1 folder to play: data_dir, else $ALFWORLD_DATA, else generated games in the
+    user cache (made once, keyed by seed and counts). A folder the user named but that holds no
+    json_2.1.1 is an error, never a silent fallback."""
+    given = data_dir or os.environ.get("ALFWORLD_DATA")
+    if given:
+        given = os.path.abspath(os.path.expanduser(given))
+        for root in (os.path.join(given, "json_2.1.1"), given):
+            if os.path.basename(root) == "json_2.1.1" and os.path.isdir(root):
+                return root
+        raise ValueError(f"ALFWorld data folder {given} has no json_2.1.1/ (from "
+                         f"{'data_dir' if data_dir else 'ALFWORLD_DATA'}): run `alfworld-download`, "
+                         f"or `python envs.py generate {given}`, or unset it to use generated games")
+    target = os.path.join(_cache_dir(), f"alfworld-{seed}-{num_train}-{num_eval}")
+    root = os.path.join(target, "json_2.1.1")
+    if not os.path.isdir(root):
+        import tempfile
+        os.makedirs(_cache_dir(), exist_ok=True)
+        print(f"tigpo: no ALFWORLD_DATA; generating {num_train}+{num_eval}+{num_eval} ALFWorld "
+              f"games once into {target}", file=sys.stderr)
+        tmp = tempfile.mkdtemp(prefix="alfworld-tmp-", dir=_cache_dir())
+        alfworld_gen.generate(tmp, num_train, num_eval, seed)
+        try:
+            os.rename(tmp, target)          # atomic: a concurrent generator may have won the race
+        except OSError:
+            if not os.path.isdir(root):
+                raise
+            import shutil
+            shutil.rmtree(tmp)
+    return root
+
+
+@functools.lru_cache(maxsize=None)
+def alfworld_tasks(root, split):
+    """Sorted task keys ("<split>/<folder>/<trial>/game.tw-pddl") of a split, filtered as
+    AlfredTWEnv filters: the six task types, no movable/sliced variants, solvable games only."""
+    split_dir = os.path.join(root, split)
+    if not os.path.isdir(split_dir):
+        raise ValueError(f"ALFWorld data folder {root} has no {split}/ split (have "
+                         f"{sorted(os.listdir(root))}): pass split= one of {SPLITS}, or regenerate "
+                         f"with `python envs.py generate`")
+    keys = []
+    for folder, _, files in os.walk(split_dir):
+        if "traj_data.json" not in files or "game.tw-pddl" not in files:
+            continue
+        if "movable" in folder or "Sliced" in folder:
+            continue
+        with open(os.path.join(folder, "traj_data.json")) as f:
+            if json.load(f).get("task_type") not in alfworld_gen.SHORT_TYPE:
+                continue
+        with open(os.path.join(folder, "game.tw-pddl")) as f:
+            if not json.load(f).get("solvable", False):
+                continue
+        keys.append(os.path.relpath(os.path.join(folder, "game.tw-pddl"), root).replace(os.sep, "/"))
+    if not keys:
+        raise ValueError(f"ALFWorld data folder {split_dir} holds no solvable games of the six "
+                         f"task types: re-run `alfworld-download` or `python envs.py generate`")
+    return tuple(sorted(keys))
+
+
+def task_type_of(task):
+    """pick, look, clean, heat, cool or pick2, read from the task key's folder name."""
+    return alfworld_gen.SHORT_TYPE[task.split("/")[1].split("-")[0]]
+
+
+class AlfWorldEnv:
+    """The env of make_env("alfworld"): a split of games, one episode at a time."""
+
+    def __init__(self, split="train", data_dir=None, max_steps=50, state_key="facts", seed=0):
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        self.root = resolve_alfworld_data(data_dir, seed)
+        self.tasks = list(alfworld_tasks(self.root, split))
+        self.max_steps, self.state_key = max_steps, state_key
+        self._game, self._task = None, None
+
+    def reset(self, task):
+        path = os.path.join(self.root, task)
+        if not task.endswith("game.tw-pddl") or ".." in task.split("/") or not os.path.isfile(path):
+            raise ValueError(f"unknown ALFWorld task {task!r} under {self.root}: pick one of env.tasks")
+        if task != self._task:   # loading translates the PDDL twice: reuse the game when we can
+            self.close()
+            self._game = AlfWorldGame(path, self.max_steps, self.state_key)
+            self._task = task
+        obs, info = self._game.reset()
+        info.update(task=task, task_type=task_type_of(task))
+        return obs, info
+
+    def step(self, text):
+        if self._game is None:
+            raise RuntimeError("AlfWorldEnv.step: call reset(task) first")
+        return self._game.step(text)
+
+    def close(self):
+        if self._game is not None:
+            self._game.close()
+        self._game, self._task = None, None
+
+
+def make_env(name, **kwargs):
+    """An environment by name: "alfworld" (AlfWorldEnv) or "webshop" (webshop.WebShopEnv)."""
+    if name == "alfworld":
+        return AlfWorldEnv(**kwargs)
+    if name == "webshop":
+        import webshop  # lazy: needs `requests` and a running WebShop server
+        return webshop.WebShopEnv(**kwargs)
+    raise ValueError(f"unknown env {name!r}: choose 'alfworld' or 'webshop'")
+
+
+def generate_alfworld(out_dir, num_train=DEFAULT_NUM_TRAIN, num_eval=DEFAULT_NUM_EVAL, seed=0):
+    """Generate ALFWorld games offline into out_dir/json_2.1.1 (see alfworld_gen.py)."""
+    return alfworld_gen.generate(out_dir, num_train, num_eval, seed)

@@ -1,0 +1,338 @@
+"""alfworld_gen.py: offline ALFWorld game generator (DESIGN.md "Environments"). Writes games for
+the six ALFRED task types in the official layout, json_2.1.1/<split>/<task>-<obj>-<mrecep>-<recep>-
+<scene>/<trial>/{game.tw-pddl,traj_data.json}, from what the `alfworld` wheel ships: the PDDL domain
+(alfworld/data/alfred.pddl), the text grammar (alfred.twl2), the goal library (alfworld/gen/
+goal_library.py) and the scene layouts (alfworld/gen/layouts/FloorPlan*). The generator knows where
+it put every object, so it writes the winning walkthrough itself and plays it through envs.py's
+env to check it; it never calls the fast-downward planner (minutes per game)."""
+import argparse
+import json
+import os
+import random
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+
+import alfworld
+import alfworld.gen.constants as C
+import alfworld.gen.goal_library as goal_library
+from alfworld.agents.utils.misc import Demangler
+
+# short name (what tigpo reports per type) -> ALFRED task type (the folder prefix of a game)
+TASK_TYPES = {"pick": "pick_and_place_simple", "look": "look_at_obj_in_light",
+              "clean": "pick_clean_then_place_in_recep", "heat": "pick_heat_then_place_in_recep",
+              "cool": "pick_cool_then_place_in_recep", "pick2": "pick_two_obj_and_place"}
+SHORT_TYPE = {v: k for k, v in TASK_TYPES.items()}
+# the appliance a task needs in its scene, and the verb of the walkthrough step that uses it
+APPLIANCE = {"clean": ("SinkBasin", "clean"), "heat": ("Microwave", "heat"), "cool": ("Fridge", "cool")}
+LAMPS = ("DeskLamp", "FloorLamp")
+LAMP_HOLDERS = ("Desk", "SideTable", "Dresser", "Shelf", "CoffeeTable", "DiningTable", "ArmChair", "Sofa")
+
+_WHEEL = os.path.dirname(alfworld.__file__)
+LAYOUTS = os.path.join(_WHEEL, "gen", "layouts")
+DOMAIN_FILE = os.path.join(_WHEEL, "data", "alfred.pddl")
+GRAMMAR_FILE = os.path.join(_WHEEL, "data", "alfred.twl2")
+
+# object types that can be picked up: anything some receptacle type can hold (sliced parts excluded)
+PICKABLE = sorted({o for objs in C.VAL_RECEPTACLE_OBJECTS.values() for o in objs if "Sliced" not in o})
+STATIC_RECEPS = sorted(C.RECEPTACLES - C.MOVABLE_RECEPTACLES_SET)
+
+
+def mangle(name):
+    """ALFRED's escaping of object ids for PDDL ('|' -> _bar_, '-' -> _minus_, ...), the form the
+    wheel's Demangler reads back into 'mug 1'."""
+    for a, b in (("-", "_minus_"), ("|", "_bar_"), ("+", "_plus_"), (".", "_dot_"), (",", "_comma_")):
+        name = name.replace(a, b)
+    return name
+
+
+def _loc(x, z, rot, horizon):
+    # ALFRED's grid location: 0.25 m steps, rotation in quarter turns, camera horizon in degrees
+    return f"loc|{round(x / 0.25)}|{round(z / 0.25)}|{int(rot) // 90 % 4}|{int(horizon)}"
+
+
+def _obj_id(kind, rng, suffix=""):
+    xyz = "|".join(f"{rng.uniform(-3, 3):+06.2f}" for _ in range(3))
+    return f"{kind}|{xyz}{suffix}"
+
+
+def load_scene(num, rng):
+    """A scene as plain data: static receptacles with their ids, types and locations (from the
+    layout's receptacle file; types the layout lists without a position get one instance at a
+    layout point), the pickable object types present, and the lamps."""
+    prefix = os.path.join(LAYOUTS, f"FloorPlan{num}")
+    types = json.load(open(prefix + "-objects.json"))
+    placed = json.load(open(prefix + "-openable.json"))
+    points = [tuple(p) for p in np.load(prefix + "-layout.npy").tolist()]
+    receps = []
+    for rid, (x, z, rot, hor) in sorted(placed.items()):
+        rtype = rid.split("|")[-1] if "Basin" in rid else rid.split("|")[0]
+        if rtype in STATIC_RECEPS:
+            receps.append({"id": rid, "type": rtype, "loc": _loc(x, z, rot, hor)})
+    have = {r["type"] for r in receps}
+    for rtype in sorted(set(types) & set(STATIC_RECEPS) - have):
+        x, z = rng.choice(points)
+        suffix = "|" + rtype if rtype.endswith("Basin") else ""
+        kind = rtype[:-5] if suffix else rtype  # "Sink|...|SinkBasin" like ALFRED's ids
+        receps.append({"id": _obj_id(kind, rng, suffix), "type": rtype,
+                       "loc": _loc(x, z, rng.choice([0, 90, 180, 270]), 30)})
+    objects = sorted(t for t in set(types) if t in PICKABLE and
+                     any(t in C.VAL_RECEPTACLE_OBJECTS[r["type"]] for r in receps))
+    lamps = sorted(t for t in set(types) if t in LAMPS)
+    return {"num": num, "receptacles": receps, "objects": objects, "lamps": lamps,
+            "points": points}
+
+
+def _holders(scene, otype, exclude_type=None):
+    return [r for r in scene["receptacles"] if otype in C.VAL_RECEPTACLE_OBJECTS[r["type"]]
+            and r["type"] != exclude_type]
+
+
+def sample_task(scene, short, rng):
+    """Choose the targets of one task in one scene and place every object; None when the scene
+    cannot host this task type. No target object starts in a target-type receptacle, so the goal
+    is never true at the start."""
+    receps = scene["receptacles"]
+    rtypes = sorted({r["type"] for r in receps})
+    toggle = None
+    if short == "look":
+        if not scene["lamps"]:
+            return None
+        toggle = rng.choice(scene["lamps"])
+        lamp_spots = [r for r in receps if r["type"] in LAMP_HOLDERS]
+        if not lamp_spots:
+            return None
+    if short in APPLIANCE and APPLIANCE[short][0] not in rtypes:
+        return None
+    need = {"clean": "Cleanable", "heat": "Heatable", "cool": "Coolable"}.get(short)
+    options = []
+    for otype in scene["objects"]:
+        if need and otype not in C.VAL_ACTION_OBJECTS[need]:
+            continue
+        if short == "look":
+            options.append((otype, toggle))
+            continue
+        for rtype in rtypes:
+            if (otype in C.VAL_RECEPTACLE_OBJECTS[rtype] and _holders(scene, otype, rtype)
+                    and rtype != (APPLIANCE.get(short) or (None,))[0]):
+                options.append((otype, rtype))
+    if not options:
+        return None
+    otype, rtype = rng.choice(options)
+    avoid = rtype if short != "look" else None
+    # one instance of every pickable type, 2-3 of the target for pick2, sometimes a second copy
+    objects = []
+    for kind in scene["objects"]:
+        count = rng.randint(2, 3) if (short == "pick2" and kind == otype) else rng.choice([1, 1, 2])
+        spots = _holders(scene, kind, avoid if kind == otype else None)
+        for _ in range(count):
+            objects.append({"id": _obj_id(kind, rng), "type": kind, "in": rng.choice(spots)["id"]})
+    lamps = []
+    if short == "look":
+        lamps.append({"id": _obj_id(toggle, rng), "type": toggle,
+                      "in": rng.choice([r for r in receps if r["type"] in LAMP_HOLDERS])["id"]})
+    used = {r["loc"] for r in receps}
+    free = [p for p in scene["points"] if _loc(p[0], p[1], 0, 30) not in used]
+    x, z = rng.choice(free or scene["points"])
+    agent = _loc(x, z, rng.choice([0, 90, 180, 270]), 30)
+    return {"short": short, "task_type": TASK_TYPES[short], "scene": scene["num"],
+            "object_target": otype, "parent_target": "" if short == "look" else rtype,
+            "toggle_target": toggle or "", "receptacles": receps, "objects": objects,
+            "lamps": lamps, "agent": agent}
+
+
+def task_sentence(spec, rng):
+    """The goal sentence from the goal library's templates, as ALFWorld's add_task_to_grammar
+    fills it (lower-case type names)."""
+    template = rng.choice(goal_library.gdict[spec["task_type"]]["templates"])
+    return template.format(obj=spec["object_target"].lower(), recep=spec["parent_target"].lower(),
+                           toggle=spec["toggle_target"].lower(), mrecep="")
+
+
+def build_problem(spec, name):
+    """The PDDL problem of a game: every receptacle, object and location, the facts the domain's
+    actions read (types, canContain, pickupable, openable, the property flags, placement), and the
+    goal from the goal library."""
+    receps, things = spec["receptacles"], spec["objects"] + spec["lamps"]
+    loc_of = {r["id"]: r["loc"] for r in receps}
+    locations = sorted({r["loc"] for r in receps} | {spec["agent"]})
+    otypes = sorted({t["type"] for t in things})
+    rtypes = sorted({r["type"] for r in receps})
+    decl = ["agent1 - agent"] + [f"{t}Type - otype" for t in otypes]
+    decl += [f"{t}Type - rtype" for t in rtypes]
+    decl += [f"{mangle(t['id'])} - object" for t in things]
+    decl += [f"{mangle(r['id'])} - receptacle" for r in receps]
+    decl += [f"{mangle(loc)} - location" for loc in locations]
+    init = ["(= (total-cost) 0)", f"(atLocation agent1 {mangle(spec['agent'])})"]
+    for r in receps:
+        rid = mangle(r["id"])
+        init += [f"(receptacleType {rid} {r['type']}Type)",
+                 f"(receptacleAtLocation {rid} {mangle(r['loc'])})"]
+        if r["type"] in C.OPENABLE_CLASS_SET:
+            init.append(f"(openable {rid})")
+    for t in things:
+        tid = mangle(t["id"])
+        init += [f"(objectType {tid} {t['type']}Type)", f"(inReceptacle {tid} {mangle(t['in'])})",
+                 f"(objectAtLocation {tid} {mangle(loc_of[t['in']])})"]
+        if t["type"] in PICKABLE:
+            init.append(f"(pickupable {tid})")
+        if t["type"] in C.MOVABLE_RECEPTACLES_SET:
+            init.append(f"(isReceptacleObject {tid})")
+        for flag, group in (("cleanable", "Cleanable"), ("heatable", "Heatable"),
+                            ("coolable", "Coolable"), ("toggleable", "Toggleable"),
+                            ("sliceable", "Sliceable")):
+            if t["type"] in C.VAL_ACTION_OBJECTS[group]:
+                init.append(f"({flag} {tid})")
+    init += [f"(canContain {rt}Type {ot}Type)" for rt in rtypes for ot in otypes
+             if ot in C.VAL_RECEPTACLE_OBJECTS.get(rt, ())]
+    goal = goal_library.gdict[spec["task_type"]]["pddl"].format(
+        obj=spec["object_target"], recep=spec["parent_target"], toggle=spec["toggle_target"],
+        mrecep="").replace("#", "-")
+    return ("(define (problem %s)\n(:domain alfred)\n(:objects\n    %s\n    )\n(:init\n    %s\n    )\n%s"
+            % (name, "\n    ".join(decl), "\n    ".join(init), goal.strip()))
+
+
+def entity_names(spec):
+    """id -> the name the player sees ('mug 2'), computed with the wheel's Demangler exactly as
+    ALFWorld's AlfredDemangler does on load (fast-downward lower-cases PDDL names)."""
+    ids = ([mangle(t["id"]).lower() for t in spec["objects"] + spec["lamps"]]
+           + [mangle(r["id"]).lower() for r in spec["receptacles"]])
+    demangler = Demangler(game_infos={i: SimpleNamespace(id=i) for i in ids})
+    return {raw["id"]: demangler.demangle_alfred_name(mangle(raw["id"]).lower()).strip()
+            for raw in spec["objects"] + spec["lamps"] + spec["receptacles"]}
+
+
+def walkthrough(spec):
+    """The winning command sequence; the generator knows every placement, so no planner."""
+    names = entity_names(spec)
+    recep = {r["id"]: r for r in spec["receptacles"]}
+    opened, plan = set(), []
+
+    def go_open(rid):
+        plan.append(f"go to {names[rid]}")
+        if recep[rid]["type"] in C.OPENABLE_CLASS_SET and rid not in opened:
+            plan.append(f"open {names[rid]}")
+            opened.add(rid)
+
+    short, otype = spec["short"], spec["object_target"]
+    targets = [o for o in spec["objects"] if o["type"] == otype][: 2 if short == "pick2" else 1]
+    goal_recep = None
+    if short != "look":
+        goal_recep = next(r["id"] for r in spec["receptacles"] if r["type"] == spec["parent_target"])
+    for obj in targets:
+        go_open(obj["in"])
+        plan.append(f"take {names[obj['id']]} from {names[obj['in']]}")
+        if short in APPLIANCE:
+            rtype, verb = APPLIANCE[short]
+            tool = next(r["id"] for r in spec["receptacles"] if r["type"] == rtype)
+            plan += [f"go to {names[tool]}", f"{verb} {names[obj['id']]} with {names[tool]}"]
+        if short == "look":
+            lamp = spec["lamps"][0]
+            plan += [f"go to {names[lamp['in']]}", f"use {names[lamp['id']]}"]
+        else:
+            go_open(goal_recep)
+            plan.append(f"move {names[obj['id']]} to {names[goal_recep]}")
+    return plan
+
+
+def _scenes(split):
+    # valid_unseen: ALFRED's held-out test scenes; train and valid_seen: its training scenes
+    return sorted(C.TEST_SCENE_NUMBERS if split == "valid_unseen" else C.TRAIN_SCENE_NUMBERS)
+
+
+def _scene_kind(num):
+    return next(kind for kind, nums in C.SCENE_TYPE.items() if num in nums)
+
+
+def generate(out_dir, num_train=24, num_eval=6, seed=0, verify=True, progress=None):
+    """Write num_train games to json_2.1.1/train and num_eval to each of valid_seen and
+    valid_unseen under out_dir, task types round-robin (any count >= 6 covers all six).
+    Deterministic for a seed. With verify, each game's walkthrough is played through envs.py's
+    env and must win. Returns the list of written game paths."""
+    import envs  # lazy: envs imports this module
+    if num_train < 0 or num_eval < 0:
+        raise ValueError("generate: num_train and num_eval must be >= 0")
+    grammar = open(GRAMMAR_FILE).read()
+    domain = open(DOMAIN_FILE).read()
+    root = os.path.join(out_dir, "json_2.1.1")
+    written = []
+    for split, count in (("train", num_train), ("valid_seen", num_eval), ("valid_unseen", num_eval)):
+        rng = random.Random(f"{seed}-{split}")
+        scenes = _scenes(split)
+        shorts = list(TASK_TYPES)
+        made = attempts = 0
+        while made < count:
+            attempts += 1
+            if attempts > 50 * count + 100:
+                raise RuntimeError(f"generator bug: no scene of {split} hosts every task type")
+            short = shorts[made % len(shorts)]
+            ok_kinds = C.GOALS_VALID[TASK_TYPES[short]]
+            num = rng.choice([n for n in scenes if _scene_kind(n) in ok_kinds])
+            spec = sample_task(load_scene(num, random.Random(f"scene-{num}")), short, rng)
+            if spec is None:
+                continue
+            goal_text = task_sentence(spec, rng)
+            trial = f"trial_T{seed % 10**8:08d}_{made:06d}_{rng.randrange(10**6):06d}"
+            folder = "-".join([spec["task_type"], spec["object_target"], "None",
+                               spec["parent_target"] or spec["toggle_target"], str(num)])
+            game_dir = os.path.join(root, split, folder, trial)
+            os.makedirs(game_dir, exist_ok=True)
+            game = {"pddl_domain": domain,
+                    "grammar": grammar.replace("UNKNOWN GOAL", goal_text),
+                    "pddl_problem": build_problem(spec, f"plan_{trial}"),
+                    "solvable": True,
+                    "walkthrough": walkthrough(spec)}
+            traj = {"task_type": spec["task_type"], "task_id": trial,
+                    "scene": {"floor_plan": f"FloorPlan{num}", "scene_num": num},
+                    "pddl_params": {"object_target": spec["object_target"],
+                                    "parent_target": spec["parent_target"],
+                                    "toggle_target": spec["toggle_target"], "mrecep_target": "",
+                                    "object_sliced": False},
+                    "turk_annotations": {"anns": [{"task_desc": goal_text + "."}]},
+                    "generator": "tigpo alfworld_gen (offline, no planner)"}
+            path = os.path.join(game_dir, "game.tw-pddl")
+            with open(path, "w") as f:
+                json.dump(game, f)
+            with open(os.path.join(game_dir, "traj_data.json"), "w") as f:
+                json.dump(traj, f, indent=1)
+            if verify:
+                _verify(envs, path, game["walkthrough"])
+            written.append(path)
+            made += 1
+            if progress:
+                progress(split, made, count)
+    return written
+
+
+def _verify(envs, path, plan):
+    env = envs.AlfWorldGame(path, max_steps=len(plan) + 1)
+    try:
+        env.reset()
+        for i, command in enumerate(plan):
+            _, _, done, info = env.step(command)
+            if not info["valid"]:
+                raise RuntimeError(f"generator bug: walkthrough step {i} {command!r} is not "
+                                   f"admissible in {path}")
+        if not info["won"]:
+            raise RuntimeError(f"generator bug: walkthrough does not win {path}")
+    finally:
+        env.close()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python envs.py generate", description=(
+        "Generate ALFWorld games offline (all six task types, official json_2.1.1 layout), each "
+        "with a walkthrough checked to win. Point ALFWORLD_DATA (or --data-dir) at OUT_DIR."))
+    parser.add_argument("out_dir", help="folder that receives json_2.1.1/{train,valid_seen,valid_unseen}")
+    parser.add_argument("--num-train", type=int, default=24, help="games in train")
+    parser.add_argument("--num-eval", type=int, default=6, help="games in each of valid_seen, valid_unseen")
+    parser.add_argument("--seed", type=int, default=0, help="generation seed (same seed, same games)")
+    parser.add_argument("--no-verify", action="store_true", help="skip playing each walkthrough")
+    args = parser.parse_args(argv)
+
+    def progress(split, made, count):
+        print(f"\r{split}: {made}/{count}", end="\n" if made == count else "", file=sys.stderr)
+    paths = generate(args.out_dir, args.num_train, args.num_eval, args.seed,
+                     verify=not args.no_verify, progress=progress)
+    print(f"wrote {len(paths)} games under {os.path.join(args.out_dir, 'json_2.1.1')}")
