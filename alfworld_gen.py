@@ -207,10 +207,16 @@ def walkthrough(spec):
     """The winning command sequence; the generator knows every placement, so no planner."""
     names = entity_names(spec)
     recep = {r["id"]: r for r in spec["receptacles"]}
-    opened, plan = set(), []
+    opened, plan, here = set(), [], [spec["agent"]]
+
+    def go(rid):
+        # "go to" a receptacle at the agent's own location is not admissible: the agent is there
+        if recep[rid]["loc"] != here[0]:
+            plan.append(f"go to {names[rid]}")
+            here[0] = recep[rid]["loc"]
 
     def go_open(rid):
-        plan.append(f"go to {names[rid]}")
+        go(rid)
         if recep[rid]["type"] in C.OPENABLE_CLASS_SET and rid not in opened:
             plan.append(f"open {names[rid]}")
             opened.add(rid)
@@ -226,10 +232,12 @@ def walkthrough(spec):
         if short in APPLIANCE:
             rtype, verb = APPLIANCE[short]
             tool = next(r["id"] for r in spec["receptacles"] if r["type"] == rtype)
-            plan += [f"go to {names[tool]}", f"{verb} {names[obj['id']]} with {names[tool]}"]
+            go(tool)
+            plan.append(f"{verb} {names[obj['id']]} with {names[tool]}")
         if short == "look":
             lamp = spec["lamps"][0]
-            plan += [f"go to {names[lamp['in']]}", f"use {names[lamp['id']]}"]
+            go(lamp["in"])
+            plan.append(f"use {names[lamp['id']]}")
         else:
             go_open(goal_recep)
             plan.append(f"move {names[obj['id']]} to {names[goal_recep]}")

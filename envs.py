@@ -90,6 +90,22 @@ def _install_parse_memo():
 
     textgen._parse_and_convert = cached_symbols
     Rule.parse_conjunctive_query = classmethod(functools.lru_cache(maxsize=None)(parse_query))
+
+    # Loading a game and every reset translate the PDDL to SAS twice (~90% of reset time), and
+    # K rollouts of one task in a group translate the same text again: memoise it too (its
+    # result is only read). Trap: pddl2sas overwrites sys.argv, so put it back.
+    import fast_downward
+    pddl2sas = fast_downward.pddl2sas
+
+    @functools.lru_cache(maxsize=64)
+    def cached_pddl2sas(domain, problem, verbose=False, optimize=False):
+        argv = list(sys.argv)
+        try:
+            return pddl2sas(domain, problem, verbose=verbose, optimize=optimize)
+        finally:
+            sys.argv[:] = argv
+
+    fast_downward.pddl2sas = cached_pddl2sas
     textgen._tigpo_memo = True
 
 
@@ -229,6 +245,10 @@ def task_type_of(task):
     return alfworld_gen.SHORT_TYPE[task.split("/")[1].split("-")[0]]
 
 
+class TaskError(ValueError):
+    """A task key the env does not have: the caller's bug, raised (also through EnvPool)."""
+
+
 class AlfWorldEnv:
     """The env of make_env("alfworld"): a split of games, one episode at a time."""
 
@@ -243,7 +263,7 @@ class AlfWorldEnv:
     def reset(self, task):
         path = os.path.join(self.root, task)
         if not task.endswith("game.tw-pddl") or ".." in task.split("/") or not os.path.isfile(path):
-            raise ValueError(f"unknown ALFWorld task {task!r} under {self.root}: pick one of env.tasks")
+            raise TaskError(f"unknown ALFWorld task {task!r} under {self.root}: pick one of env.tasks")
         if task != self._task:   # loading translates the PDDL twice: reuse the game when we can
             self.close()
             self._game = AlfWorldGame(path, self.max_steps, self.state_key)
@@ -276,3 +296,195 @@ def make_env(name, **kwargs):
 def generate_alfworld(out_dir, num_train=DEFAULT_NUM_TRAIN, num_eval=DEFAULT_NUM_EVAL, seed=0):
     """Generate ALFWorld games offline into out_dir/json_2.1.1 (see alfworld_gen.py)."""
     return alfworld_gen.generate(out_dir, num_train, num_eval, seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parallel env pool (DESIGN.md "Parallel envs"). Each worker is a plain `python envs.py worker`
+# subprocess speaking one JSON line per request on its stdin/stdout: no fork of a parent that
+# holds torch threads, no re-import of the trainer's __main__ (multiprocessing's spawn would run
+# a top-level train.py script again). Env slot j of a batch lives on worker j % num_workers; every
+# env is deterministic on its own, so results do not depend on num_workers.
+# ---------------------------------------------------------------------------------------------
+import atexit
+import subprocess
+import weakref
+
+
+class EnvPool:
+    """B envs stepped in num_workers processes. reset(tasks) -> (obs, infos), one env per task;
+    step(actions) -> (obs, rewards, dones, infos), actions aligned with the last reset. An action
+    None means "do not step this env" (it is done or not wanted): that slot returns obs None,
+    reward 0.0, its last done flag, info {}. A crashed game or a dead worker ends its episodes as
+    failures (reward 0.0, done True, info["error"]); a dead worker is restarted and the batch goes on."""
+
+    def __init__(self, name, num_workers=2, **make_env_kwargs):
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if name == "alfworld":
+            # resolve (and, the first time, generate) the data once here, not in every worker
+            make_env_kwargs["data_dir"] = os.path.dirname(resolve_alfworld_data(
+                make_env_kwargs.get("data_dir"), make_env_kwargs.get("seed", 0)))
+        elif name != "webshop":
+            make_env(name)  # raises the ValueError naming the choices
+        self.name, self.kwargs, self.num_workers = name, make_env_kwargs, num_workers
+        self._procs = [None] * num_workers
+        self._dones = []
+        self._finalizer = weakref.finalize(self, EnvPool._kill_all, self._procs)
+        atexit.register(self._finalizer)
+
+    @property
+    def pids(self):
+        return [p.pid if p is not None and p.poll() is None else None for p in self._procs]
+
+    def _start(self, w):
+        cmd = [sys.executable, os.path.abspath(__file__), "worker", self.name, json.dumps(self.kwargs)]
+        self._procs[w] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          text=True, bufsize=1)
+
+    def _send(self, w, msg):
+        """Send one request; False when the worker is dead (it is restarted on the next reset)."""
+        proc = self._procs[w]
+        if proc is None or proc.poll() is not None:
+            return False
+        try:
+            proc.stdin.write(json.dumps(msg) + "\n")
+            proc.stdin.flush()
+            return True
+        except (BrokenPipeError, OSError):
+            return False
+
+    def _recv(self, w):
+        line = self._procs[w].stdout.readline()
+        return json.loads(line) if line else None  # EOF: the worker died mid-request
+
+    def _round(self, requests):
+        """Send {worker: msg} to all workers first (they run in parallel), then collect replies;
+        a worker that died answers None and is killed so the next reset restarts it."""
+        sent = {w: self._send(w, msg) for w, msg in requests.items()}
+        replies = {}
+        for w in requests:
+            replies[w] = self._recv(w) if sent[w] else None
+            if replies[w] is None:
+                EnvPool._kill(self._procs[w])
+                self._procs[w] = None
+        return replies
+
+    def reset(self, tasks):
+        tasks = list(tasks)
+        for w in range(self.num_workers):
+            if self._procs[w] is None or self._procs[w].poll() is not None:
+                self._start(w)
+        requests = {w: {"cmd": "reset", "tasks": {j: t for j, t in enumerate(tasks) if j % self.num_workers == w}}
+                    for w in range(self.num_workers)}
+        replies = self._round(requests)
+        obs, infos = [None] * len(tasks), [None] * len(tasks)
+        for w, reply in replies.items():
+            if reply is not None and "fatal" in reply:
+                raise TaskError(reply["fatal"])
+            for j in requests[w]["tasks"]:
+                if reply is None:
+                    obs[j], infos[j] = "", {"error": f"env worker {w} died during reset", "won": False}
+                else:
+                    obs[j], infos[j] = reply["results"][str(j)]
+        self._dones = [bool(info.get("error")) for info in infos]
+        return obs, infos
+
+    def step(self, actions):
+        actions = list(actions)
+        if len(actions) != len(self._dones):
+            raise ValueError(f"EnvPool.step got {len(actions)} actions for {len(self._dones)} envs "
+                             f"of the last reset")
+        requests = {}
+        for j, action in enumerate(actions):
+            if action is not None and not self._dones[j]:
+                requests.setdefault(j % self.num_workers, {"cmd": "step", "actions": {}})["actions"][j] = action
+        obs, rewards = [None] * len(actions), [0.0] * len(actions)
+        dones, infos = list(self._dones), [{} for _ in actions]
+        for w, reply in self._round(requests).items():
+            for j in requests[w]["actions"]:
+                if reply is None:
+                    obs[j], dones[j] = "", True
+                    infos[j] = {"error": f"env worker {w} died; episode ended as a failure",
+                                "won": False, "valid": False}
+                else:
+                    obs[j], rewards[j], dones[j], infos[j] = reply["results"][str(j)]
+        self._dones = dones
+        return obs, rewards, dones, infos
+
+    @staticmethod
+    def _kill(proc):
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        if proc is not None:
+            proc.wait()
+            for stream in (proc.stdin, proc.stdout):
+                if stream:
+                    stream.close()
+
+    @staticmethod
+    def _kill_all(procs):
+        for i, proc in enumerate(procs):
+            if proc is not None and proc.poll() is None:
+                try:   # ask first, so the worker closes its games; kill if it does not exit
+                    proc.stdin.write(json.dumps({"cmd": "close"}) + "\n")
+                    proc.stdin.flush()
+                    proc.wait(timeout=5)
+                except (BrokenPipeError, OSError, subprocess.TimeoutExpired):
+                    pass   # dead pipe or slow exit: the kill below ends it either way
+            EnvPool._kill(proc)
+            procs[i] = None
+
+    def close(self):
+        self._finalizer()
+
+
+def _worker(name, kwargs):
+    """The loop of one pool worker. A game that raises ends only its own episode (info["error"])."""
+    out = os.fdopen(os.dup(1), "w")   # protocol channel; anything printed goes to stderr instead
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    envs = {}
+    for line in sys.stdin:
+        msg = json.loads(line)
+        if msg["cmd"] == "close":
+            break
+        results = {}
+        try:
+            if msg["cmd"] == "reset":
+                for j, task in msg["tasks"].items():
+                    if j not in envs:
+                        envs[j] = make_env(name, **kwargs)
+                    try:
+                        results[j] = envs[j].reset(task)
+                    except TaskError as e:       # a bad task key is the caller's bug: fail loudly
+                        raise _Fatal(str(e)) from e
+                    except Exception as e:       # a game that crashes: only this episode fails
+                        results[j] = ("", {"error": f"{type(e).__name__}: {e}", "won": False})
+            else:
+                for j, action in msg["actions"].items():
+                    try:
+                        results[j] = envs[j].step(action)
+                    except Exception as e:       # same: the episode ends as a failure
+                        results[j] = ("", 0.0, True, {"error": f"{type(e).__name__}: {e}",
+                                                      "won": False, "valid": False})
+            reply = {"results": results}
+        except _Fatal as e:
+            reply = {"fatal": str(e)}
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+    for env in envs.values():
+        env.close()
+
+
+class _Fatal(Exception):
+    pass
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["worker"]:
+        _worker(sys.argv[2], json.loads(sys.argv[3]))
+    elif sys.argv[1:2] == ["generate"]:
+        alfworld_gen.main(sys.argv[2:])
+    else:
+        print("usage: python envs.py generate --help", file=sys.stderr)
+        sys.exit(2)
