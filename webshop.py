@@ -170,6 +170,9 @@ class WebShopEnv:
         if not indices:
             raise ValueError(f"num_goals={num_goals} leaves no {split} goals (train uses goals "
                              f"{TEST_GOALS}+)")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"WebShop url must start with http:// or https://, got {url!r} "
+                             f"(the real server: http://127.0.0.1:3000)")
         self.url, self.split, self.max_steps, self.num_goals = url.rstrip("/"), split, max_steps, num_goals
         self.timeout, self.connect_timeout = timeout, connect_timeout
         self.retries, self.backoff = retries, backoff
@@ -190,7 +193,7 @@ class WebShopEnv:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             try:
                 resp = self._http.get(url, timeout=(self.connect_timeout, self.timeout))
-            except (requests.ConnectionError, requests.Timeout) as err:
+            except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as err:
                 failure = f"{type(err).__name__}: {err}"
                 continue
             if resp.status_code not in (502, 503, 504):
@@ -244,6 +247,28 @@ class WebShopEnv:
                 out[label] = (nxt, kind == "label" and label in chosen)
         return out
 
+    def _load(self, page):
+        """GET and parse a page: ((parsed, clickables), None), or (None, why it is unusable): an
+        HTTP error, markup html.parser rejects, a done page with no score, or a page with nothing
+        to click and no search box (no way on from it)."""
+        resp = self._get(self._path(page))
+        if resp.status_code != 200:
+            return None, f"the server answered HTTP {resp.status_code} for {resp.url}"
+        try:
+            parsed = _Page(resp.text)
+        except AssertionError as err:   # html.parser's way to reject some malformed markup
+            return None, f"unparsable page at {resp.url} ({err})"
+        clickables = self._targets(parsed, page)
+        if page["route"] == "done" and parsed.score() is None:
+            return None, f"the done page shows no score ({resp.url})"
+        if page["route"] != "done" and not clickables and not parsed.has_search:
+            return None, f"nothing to click and no search box at {resp.url} (not a WebShop page?)"
+        return (parsed, clickables), None
+
+    def _enter(self, page, parsed, clickables):
+        self._page, self._clickables, self._has_search = page, clickables, parsed.has_search
+        self._obs = self._render(parsed)
+
     def _render(self, parsed):
         """Text-env convention: visible texts joined by [SEP], clickables as [button] x [button_],
         the selected options as [clicked button] x [clicked button_]."""
@@ -284,15 +309,13 @@ class WebShopEnv:
         index = int(index)
         self._session, self._steps, self._done = f"fixed_{index}", 0, False
         page = {"route": "index"}
-        resp = self._get(self._path(page))
-        if resp.status_code != 200:
-            raise RuntimeError(f"WebShop server at {self.url} answered HTTP {resp.status_code} for "
-                               f"goal {index} ({resp.url}); if the goal is past the server's goal "
-                               f"list, lower num_goals (now {self.num_goals})")
-        parsed = _Page(resp.text)
-        self._page, self.goal = page, parsed.goal()
-        self._clickables, self._has_search = self._targets(parsed, page), parsed.has_search
-        self._obs = self._render(parsed)
+        loaded, error = self._load(page)
+        if error is not None:
+            raise RuntimeError(f"cannot start WebShop goal {index} at {self.url}: {error}. If the "
+                               f"goal is past the server's goal list, lower num_goals (now "
+                               f"{self.num_goals})")
+        self._enter(page, *loaded)
+        self.goal = loaded[0].goal()
         return self._obs, self._info(task=f"webshop/{index}")
 
     def step(self, text):
@@ -323,18 +346,11 @@ class WebShopEnv:
                 nxt = target[0]
         reward, done, extra = 0.0, False, {}
         if nxt is not None:
-            resp = self._get(self._path(nxt))
-            parsed = _Page(resp.text) if resp.status_code == 200 else None
-            score = parsed.score() if parsed is not None and nxt["route"] == "done" else None
-            if parsed is None:
-                error = f"the server answered HTTP {resp.status_code} for {resp.url}"
-            elif nxt["route"] == "done" and score is None:
-                error = f"the done page shows no score ({resp.url})"
-            else:
-                self._page, self._has_search = nxt, parsed.has_search
-                self._clickables = self._targets(parsed, nxt)
-                self._obs = self._render(parsed)
+            loaded, error = self._load(nxt)
+            if error is None:
+                self._enter(nxt, *loaded)
                 if nxt["route"] == "done":
+                    score = loaded[0].score()
                     reward, done = 10.0 * score, True
                     extra = {"score": score, "won": score >= 1.0}
         if error is not None:

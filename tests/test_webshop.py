@@ -47,6 +47,8 @@ def test_tasks_follow_the_standard_split():
         webshop.WebShopEnv(split="valid_seen")
     with pytest.raises(ValueError, match="no train goals"):
         webshop.WebShopEnv(split="train", num_goals=500)
+    with pytest.raises(ValueError, match="http://"):
+        webshop.WebShopEnv(url="localhost:3000")
 
 
 def test_generic_kwargs_are_accepted(server):
@@ -147,16 +149,25 @@ def test_invalid_action_is_an_invalid_step(env, action):
     assert info["admissible"] == before_info["admissible"]
 
 
-def test_failing_or_unparsable_page_is_an_invalid_step(env):
+@pytest.mark.parametrize("query, asin, why", [("broken", "b0broken01", "HTTP 500"),
+                                               ("garbled", "b0garbled1", "unparsable page"),
+                                               ("blank", "b0blank001", "nothing to click")])
+def test_failing_or_unparsable_page_is_an_invalid_step(env, query, asin, why):
     env.reset(GOAL)
-    obs, _, _, info = env.step("search[widget]")
-    assert "click[b0broken01]" in info["admissible"]
-    obs2, reward, done, info2 = env.step("click[b0broken01]")   # the server answers HTTP 500
+    obs, _, _, info = env.step(f"search[{query}]")
+    assert info["admissible"] == ["click[back to search]", f"click[{asin}]"]
+    obs2, reward, done, info2 = env.step(f"click[{asin}]")
     assert (obs2, reward, done, info2["valid"]) == (obs, 0.0, False, False)
-    assert "HTTP 500" in info2["error"] and info2["state"] == info["state"]
-    env.step("click[b0noscore1]")
-    _, reward, done, info3 = env.step("click[buy now]")          # a done page without a score
-    assert (reward, done, info3["valid"]) == (0.0, False, False) and "no score" in info3["error"]
+    assert why in info2["error"] and info2["state"] == info["state"]
+    assert info2["admissible"] == info["admissible"]
+
+
+def test_done_page_without_a_score_is_an_invalid_step(env):
+    env.reset(GOAL)
+    before = play(env, ["search[mystery]", "click[b0noscore1]"])[-1][3]
+    _, reward, done, info = env.step("click[buy now]")
+    assert (reward, done, info["valid"]) == (0.0, False, False) and "no score" in info["error"]
+    assert info["state"] == before["state"]
 
 
 def test_max_steps_ends_the_episode_with_no_reward(server):

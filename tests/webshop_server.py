@@ -5,8 +5,10 @@ review/attributes pages, done_page), over a handful of products, fixed goals `fi
 done page whose score follows the shape of engine/goal.py's get_reward (attributes, options, price,
 scaled by a type match). Written for these tests; the markup was rewritten from the templates.
 
-Fault injection for the tests: product B0BROKEN01's item page answers HTTP 500; buying
-B0NOSCORE1 shows a done page without a score; `fail_next = n` answers the next n requests with 503.
+Fault injection for the tests: the item pages of B0BROKEN01, B0GARBLED1 and B0BLANK001 are an
+HTTP 500, markup that html.parser rejects, and a page with nothing to click (BROKEN_ITEM_PAGES);
+buying B0NOSCORE1 shows a done page without a score; `fail_next = n` answers the next n requests
+with 503.
 By hand: `python tests/webshop_server.py --port 3000`, then point webshop.WebShopEnv at it.
 """
 import argparse
@@ -38,7 +40,16 @@ PRODUCTS = [
      "options": {}, "attributes": [], "description": "", "features": [], "reviews": []},
     {"asin": "B0NOSCORE1", "title": "Mystery widget", "price": 2.0, "category": "widgets",
      "options": {}, "attributes": [], "description": "", "features": [], "reviews": []},
+    {"asin": "B0GARBLED1", "title": "Garbled widget", "price": 3.0, "category": "widgets",
+     "options": {}, "attributes": [], "description": "", "features": [], "reviews": []},
+    {"asin": "B0BLANK001", "title": "Blank widget", "price": 4.0, "category": "widgets",
+     "options": {}, "attributes": [], "description": "", "features": [], "reviews": []},
 ]
+BROKEN_ITEM_PAGES = {   # asin -> (status, body) of its item page
+    "B0BROKEN01": (500, "Internal Server Error"),
+    "B0GARBLED1": (200, "<![bogus[ markup that html.parser rejects"),
+    "B0BLANK001": (200, "<html><body><p>Oops.</p></body></html>"),   # nothing to click
+}
 BY_ASIN = {p["asin"]: p for p in PRODUCTS}
 
 
@@ -157,8 +168,8 @@ class Shop:
 
     def item(self, session, asin, keywords, page_num, options):
         goal, product, options = self.sessions[session], BY_ASIN[asin], ast.literal_eval(options)
-        if asin == "B0BROKEN01":
-            return 500, "Internal Server Error", None
+        if asin in BROKEN_ITEM_PAGES:
+            return (*BROKEN_ITEM_PAGES[asin], None)
         radios = ""
         for name, values in product["options"].items():
             radios += f"<div><h4>{html.escape(name)}</h4><div class=\"radio-toolbar\">"
