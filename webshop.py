@@ -22,7 +22,7 @@ import requests
 import envs  # envs.normalize_action at call time: envs imports this module lazily, never a cycle
 
 NUM_GOALS = 12087   # WebShop's human instructions (paper: 10,587 train + 1,000 dev + 500 test)
-TEST_GOALS = 500    # goals 0-499 are the standard test set; 500+ are for training (verl-agent, GiGPO)
+TEST_GOALS = 500    # goals 0-499: the standard test set; 500+: training (verl-agent, GiGPO)
 SUB_PAGES = ("Description", "Features", "Reviews", "Attributes")  # engine.ACTION_TO_TEMPLATE
 START_HINT = ("start the real server in a WebShop checkout with `./run_dev.sh` (or `python -m "
               "web_agent_site.app --log --attrs`); it listens on port 3000, so pass "
@@ -65,6 +65,7 @@ class WebShopUnreachable(requests.exceptions.ConnectionError, ConnectionError):
 _VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source",
          "track", "wbr"}
 _INVISIBLE = {"script", "style", "head", "title", "template", "noscript"}
+_ACTION_RE = re.compile(r"\s*(search|click)\s*\[(.*)\]\s*", re.DOTALL | re.IGNORECASE)
 _SCORE_RE = re.compile(r"score\s*(?:\([^)]*\))?\s*:?\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?)",
                        re.IGNORECASE)
 
@@ -155,7 +156,8 @@ class WebShopEnv:
     smaller goal file. `data_dir` and `state_key` are the generic kwargs the trainer passes to every
     env: WebShop's data lives with its server, and its state key is always the page identity.
     `timeout` (read) / `connect_timeout` are seconds; a refused or timed-out request is retried
-    `retries` times after `backoff * 2**attempt` seconds, then raises WebShopUnreachable.
+    `retries` times after `backoff * 2**attempt` seconds, then raises WebShopUnreachable. `seed`
+    only drives reset(None), which draws a goal of `tasks`.
     """
 
     def __init__(self, url="http://127.0.0.1:3000", split="train", max_steps=15, seed=0,
@@ -173,7 +175,8 @@ class WebShopEnv:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"WebShop url must start with http:// or https://, got {url!r} "
                              f"(the real server: http://127.0.0.1:3000)")
-        self.url, self.split, self.max_steps, self.num_goals = url.rstrip("/"), split, max_steps, num_goals
+        self.url, self.split, self.max_steps = url.rstrip("/"), split, max_steps
+        self.num_goals = num_goals
         self.timeout, self.connect_timeout = timeout, connect_timeout
         self.retries, self.backoff = retries, backoff
         self.tasks = [f"webshop/{i}" for i in indices]
@@ -193,7 +196,8 @@ class WebShopEnv:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             try:
                 resp = self._http.get(url, timeout=(self.connect_timeout, self.timeout))
-            except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as err:
+            except (requests.ConnectionError, requests.Timeout,
+                    requests.exceptions.ChunkedEncodingError) as err:
                 failure = f"{type(err).__name__}: {err}"
                 continue
             if resp.status_code not in (502, 503, 504):
@@ -202,7 +206,8 @@ class WebShopEnv:
         if failure.startswith("HTTP"):
             return resp
         raise WebShopUnreachable(f"No answer from the WebShop server at {self.url} ({url}) after "
-                                 f"{self.retries + 1} tries, last: {failure}. To fix: {START_HINT}.")
+                                 f"{self.retries + 1} tries, last: {failure}. "
+                                 f"To fix: {START_HINT}.")
 
     def _path(self, page):
         """The real app's URL of a page: /<route>/<session>/<args in ROUTES order>, or /<session>
@@ -245,6 +250,10 @@ class WebShopEnv:
                 nxt = _at("done", page)
             if nxt is not None:
                 out[label] = (nxt, kind == "label" and label in chosen)
+        for label, (name, value) in radios.items():   # a radio with no <label>: still clickable
+            if route == "item_page" and label not in out:
+                nxt = _at("item_page", page, options={**options, name: value})
+                out[label] = (nxt, label in chosen)
         return out
 
     def _load(self, page):
@@ -287,7 +296,8 @@ class WebShopEnv:
     def state_key(page):
         """The page identity: its route and arguments as in its URL, without the session (options
         as sorted JSON). The selected options are among the arguments of the item pages."""
-        return "/".join([page["route"]] + [_arg(page[k], sort_keys=True) for k in ROUTES[page["route"]]])
+        args = [_arg(page[k], sort_keys=True) for k in ROUTES[page["route"]]]
+        return "/".join([page["route"]] + args)
 
     def _admissible(self):
         search = ["search[<query>]"] if self._has_search else []
@@ -304,19 +314,18 @@ class WebShopEnv:
         task = self._rng.choice(self.tasks) if task is None else task
         prefix, _, index = str(task).rpartition("/")
         if prefix not in ("", "webshop") or not index.isdigit() or int(index) >= self.num_goals:
-            raise envs.TaskError(f"unknown WebShop task {task!r}: use 'webshop/<goal index>' with "
-                                 f"the index in 0..{self.num_goals - 1} (num_goals), e.g. env.tasks")
-        index = int(index)
-        self._session, self._steps, self._done = f"fixed_{index}", 0, False
+            raise envs.TaskError(f"unknown WebShop task {task!r}: use 'webshop/<goal index>', "
+                                 f"index in 0..{self.num_goals - 1} (num_goals), e.g. env.tasks")
+        self._session, self._done = f"fixed_{int(index)}", True
         page = {"route": "index"}
         loaded, error = self._load(page)
         if error is not None:
-            raise RuntimeError(f"cannot start WebShop goal {index} at {self.url}: {error}. If the "
-                               f"goal is past the server's goal list, lower num_goals (now "
-                               f"{self.num_goals})")
+            raise RuntimeError(f"cannot start WebShop goal {index} at {self.url}: {error} (a "
+                               f"goal past the server's goal list? then lower "
+                               f"num_goals={self.num_goals})")
         self._enter(page, *loaded)
-        self.goal = loaded[0].goal()
-        return self._obs, self._info(task=f"webshop/{index}")
+        self.goal, self._steps, self._done = loaded[0].goal(), 0, False
+        return self._obs, self._info(task=f"webshop/{int(index)}")
 
     def step(self, text):
         """One action, `search[query]` or `click[label]`. Anything else, a click on a label this
@@ -327,10 +336,11 @@ class WebShopEnv:
             raise RuntimeError("WebShop episode is over: call reset(task) before step()")
         self._steps += 1
         nxt, error = None, None
-        match = re.fullmatch(r"\s*(search|click)\s*\[(.*)\]\s*", str(text), re.DOTALL | re.IGNORECASE)
+        match = _ACTION_RE.fullmatch(str(text))
         if match is None:
             error = f"not an action: {text!r}; use search[query] or click[label]"
         elif match.group(1).lower() == "search":
+            # lowercased as app.py does; a '/' would split the route once the server decodes %2F
             query = " ".join(match.group(2).replace("/", " ").lower().split())
             if not self._has_search:
                 error = "no search box on this page: click[back to search] first"

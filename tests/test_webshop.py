@@ -224,3 +224,29 @@ def test_env_pool_runs_webshop_in_workers(server):
         assert infos[1]["state"] == "item_page/B000MUG001/mug/1/{}" and not dones[1]
     finally:
         pool.close()
+
+
+def test_parser_reads_the_real_templates_quirks():
+    # Shapes of the real templates: "<br>" inside the instruction, end tags that close nothing
+    # (`<h4>..</h5>`, `<h4>..</p>`), the done page's hidden goal block, a script with markup.
+    html = """<html><head><title>WebShop</title></head><body>
+      <div id="instruction-text"><h4>Instruction:<br>find a red mug</h4></div>
+      <h4 class="product-title">Mug</h5><div><h5 class="product-price">$3</h6></div>
+      <form><button class="btn">&lt; Prev</button></form>
+      <div style="display: none"><h4 id="asin">asin<pre>B01</pre></p>
+        <h4 id="goal-asin">asin<pre>B02</pre></p><h2>Reward</h2></div>
+      <h3 id="reward">Your score (min 0.0, max 1.0)<pre>0.25</pre></h3>
+      <h4 hidden>Reward Details <div id="reward_info"><pre>{'r_att': 1.0}</pre></div></h4>
+      <input type="radio" name="size" value="x-large"></body>
+      <script>let x = "<button>not a button</button>";</script></html>"""
+    page = webshop._Page(html)
+    assert page.goal() == "find a red mug" and page.score() == 0.25
+    assert page.chunks == [("Instruction:", "text"), ("find a red mug", "text"), ("Mug", "text"),
+                           ("$3", "text"), ("< Prev", "button"),
+                           ("Your score (min 0.0, max 1.0)", "text"), ("0.25", "text")]
+    assert page.radios == {"x-large": "size"} and not page.has_search
+    env = webshop.WebShopEnv()
+    item = {"route": "item_page", "asin": "B01", "keywords": "mug", "page": 1, "options": {}}
+    targets = env._targets(page, item)   # a radio without a <label> is still clickable
+    assert targets["x-large"][0]["options"] == {"size": "x-large"}
+    assert targets["< prev"][0] == {"route": "search_results", "keywords": "mug", "page": 1}
