@@ -198,16 +198,18 @@ class WebShopEnv:
                 resp = self._http.get(url, timeout=(self.connect_timeout, self.timeout))
             except (requests.ConnectionError, requests.Timeout,
                     requests.exceptions.ChunkedEncodingError) as err:
-                failure = f"{type(err).__name__}: {err}"
+                failure, slow = f"{type(err).__name__}: {err}", isinstance(err, requests.ReadTimeout)
                 continue
             if resp.status_code not in (502, 503, 504):
                 return resp
             failure = f"HTTP {resp.status_code}"
         if failure.startswith("HTTP"):
             return resp
+        fix = (f"the real app loads its products on its first request (minutes for the full set): "
+               f"call webshop.warm_up(url) once first, or raise timeout={self.timeout}"
+               if slow else START_HINT)
         raise WebShopUnreachable(f"No answer from the WebShop server at {self.url} ({url}) after "
-                                 f"{self.retries + 1} tries, last: {failure}. "
-                                 f"To fix: {START_HINT}.")
+                                 f"{self.retries + 1} tries, last: {failure}. To fix: {fix}.")
 
     def _path(self, page):
         """The real app's URL of a page: /<route>/<session>/<args in ROUTES order>, or /<session>
@@ -372,3 +374,15 @@ class WebShopEnv:
 
     def close(self):
         self._http.close()
+
+
+def warm_up(url, timeout=900.0):
+    """Open goal 0 once with a long read timeout and return its instruction. The real app loads
+    its products and search index inside its first request (minutes for the full 1.18M products),
+    and B x K workers arriving together would each start that load; call this once before the env
+    pool. With no server listening it raises WebShopUnreachable within a second or two."""
+    env = WebShopEnv(url=url, split="test", num_goals=TEST_GOALS, timeout=timeout)
+    try:
+        return env.reset("webshop/0")[1]["goal"]
+    finally:
+        env.close()

@@ -26,7 +26,7 @@ def server():
 
 @pytest.fixture
 def env(server):
-    server.shop.fail_next = 0
+    server.shop.fail_next, server.shop.delay = 0, 0.0
     env = webshop.WebShopEnv(url=server.url, split="train", num_goals=520, max_steps=15,
                              retries=2, backoff=0.01)
     yield env
@@ -196,6 +196,14 @@ def test_transient_errors_are_retried_a_bounded_number_of_times(env, server):
     assert len(server.shop.requests) == 3
 
 
+def test_a_server_too_slow_to_answer_is_a_clear_error(env, server):
+    server.shop.delay = 0.5
+    env.timeout, env.retries = 0.05, 1
+    with pytest.raises(webshop.WebShopUnreachable, match="warm_up"):
+        env.reset(GOAL)
+    server.shop.delay = 0.0
+
+
 def test_no_server_is_a_clear_error():
     with socket.socket() as sock:          # a port nobody listens on
         sock.bind(("127.0.0.1", 0))
@@ -207,6 +215,12 @@ def test_no_server_is_a_clear_error():
     message = str(caught.value)
     assert url in message and "./run_dev.sh" in message and "web_agent_site.app" in message
     assert isinstance(caught.value, ConnectionError)
+    with pytest.raises(webshop.WebShopUnreachable, match="run_dev.sh"):
+        webshop.warm_up(url)
+
+
+def test_warm_up_opens_goal_zero(server):
+    assert webshop.warm_up(server.url) == server.shop.goals[0]["instruction_text"]
 
 
 def test_env_pool_runs_webshop_in_workers(server):

@@ -8,13 +8,14 @@ scaled by a type match). Written for these tests; the markup was rewritten from 
 Fault injection for the tests: the item pages of B0BROKEN01, B0GARBLED1 and B0BLANK001 are an
 HTTP 500, markup that html.parser rejects, and a page with nothing to click (BROKEN_ITEM_PAGES);
 buying B0NOSCORE1 shows a done page without a score; `fail_next = n` answers the next n requests
-with 503.
+with 503; `delay = s` answers every request s seconds late.
 By hand: `python tests/webshop_server.py --port 3000`, then point webshop.WebShopEnv at it.
 """
 import argparse
 import ast
 import html
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
@@ -102,11 +103,12 @@ class Shop:
     def __init__(self, num_goals=520, page_size=10):
         self.goals = [make_goal(i) for i in range(num_goals)]
         self.page_size = page_size          # app.py's PRODUCT_WINDOW is 10
-        self.sessions, self.requests, self.fail_next = {}, [], 0
+        self.sessions, self.requests, self.fail_next, self.delay = {}, [], 0, 0.0
 
     def handle(self, method, path, form):
         """(status, html, location or None) for one request."""
         self.requests.append((method, path))
+        time.sleep(self.delay)
         if self.fail_next > 0:
             self.fail_next -= 1
             return 503, "busy", None
@@ -246,7 +248,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 class WebShopTestServer:
     """`with WebShopTestServer() as server:` serves on 127.0.0.1 (a free port) in a thread;
-    `server.url`, `server.shop` (goals, sessions, requests, fail_next)."""
+    `server.url`, `server.shop` (goals, sessions, requests, fail_next, delay)."""
 
     def __init__(self, port=0, **shop_kwargs):
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), _Handler)
