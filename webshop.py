@@ -353,7 +353,8 @@ class WebShopEnv:
         else:
             target = self._clickables.get(envs.normalize_action(match.group(2)))
             if target is None:
-                error = f"nothing to click called {match.group(2)!r} on this page"
+                error = f"nothing to click called {match.group(2)!r} on this page" + (
+                    "; to search, write search[your query]" if self._has_search else "")
             else:
                 nxt = target[0]
         reward, done, extra = 0.0, False, {}
