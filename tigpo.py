@@ -19,7 +19,8 @@ Details the paper leaves open are marked *(choice)* here and in DESIGN.md.
 """
 import math
 import random
-from collections import deque
+from collections import defaultdict, deque
+from itertools import chain, compress
 
 __all__ = ["SUCCESS", "ALGOS", "NORMS", "compute_advantages", "GraphMemory", "RevisitScheduler"]
 
@@ -73,15 +74,19 @@ def _check_groups(groups, algo, norm):
 def _norm_stats(pool, norm, eps):
     """E1's statistics of a reference set Z, shared by E1, E3 and E8: returns (mean, scale) so
     that an advantage is (z - mean) / scale. scale = sample std (ddof=1, as torch.std) + eps, or
-    1.0 for norm="mean" (GiGPO "w/o std"; dividing by 1.0 is exact). A set of one gives None:
-    its advantage is 0 *(choice: verl-agent gives a lone rollout its raw score)*."""
+    1.0 for norm="mean" (GiGPO "w/o std"; dividing by 1.0 is exact). A set of one gives its own
+    value and 1.0, so its advantage is exactly 0 *(choice: verl-agent gives a lone rollout its
+    raw score)*."""
     n = len(pool)
     if n == 1:
-        return None
+        return pool[0], 1.0
     mean = sum(pool) / n
     if norm == "mean":
         return mean, 1.0
-    return mean, math.sqrt(sum((z - mean) ** 2 for z in pool) / (n - 1)) + eps
+    squares = 0.0   # a plain loop: the cheapest form for the small pools E3 makes by the thousand
+    for z in pool:
+        squares += (z - mean) ** 2
+    return mean, math.sqrt(squares / (n - 1)) + eps
 
 
 def _next_states(traj):
@@ -94,21 +99,20 @@ def _next_states(traj):
 
 
 # ---------------------------------------------------------------------------------------------
-# Step returns: E2 (GiGPO) and E4-E7 (GraphGPO / TIGPO). Each returns, for one task, the flat
-# lists (source states, step returns) over all its current steps in batch order.
+# Step returns: E2 (GiGPO) and E4-E7 (GraphGPO / TIGPO), then E3. The return functions take the
+# current trajectories of one task and give one list of step returns per trajectory.
 # ---------------------------------------------------------------------------------------------
 
 def _discounted_returns(trajs, step_gamma, invalid_penalty):
     """E2: R_{i,t} = step_gamma^(T_i-1-t) * R_i - p * (1 - v_{i,t}); the outcome arrives at the
     last step, so earlier steps see it discounted."""
-    srcs, values = [], []
+    returns = []
     for traj in trajs:
         score, valid = float(traj["score"]), traj["valid"]
         last = len(valid) - 1
-        srcs += traj["states"][:-1]
-        values += [score * step_gamma ** (last - t) - (0.0 if ok else invalid_penalty)
-                   for t, ok in enumerate(valid)]
-    return srcs, values
+        returns.append([score * step_gamma ** (last - t) - (0.0 if ok else invalid_penalty)
+                        for t, ok in enumerate(valid)])
+    return returns
 
 
 def _distances(batch_preds, hist_preds):
@@ -118,29 +122,31 @@ def _distances(batch_preds, hist_preds):
     largest finite distance of the whole graph; with no SUCCESS node at all every node gets 1
     (GraphGPO's convention).
 
-    Fast path: the BFS walks the memory's own reversed index in place (no copy or merge of H)
-    and stops as soon as every current next state has its distance. It runs to the end only
-    when some next state cannot reach SUCCESS, which is exactly when d_max is needed."""
+    Fast path: the BFS walks the memory's own reversed index in place (no copy or merge of H),
+    one level at a time with set operations (C speed), and stops as soon as every current next
+    state has its distance; it runs to the end only when some next state cannot reach SUCCESS,
+    which is exactly when d_max is needed."""
     if SUCCESS not in batch_preds and SUCCESS not in hist_preds:
         return dict.fromkeys(batch_preds, 1)
-    dist = {SUCCESS: 0}
-    left = len(batch_preds) - (SUCCESS in batch_preds)   # current next states still unseen
-    frontier, d = [SUCCESS], 0
-    while frontier and left:
+    dist = dict.fromkeys(batch_preds)   # None until reached
+    dist[SUCCESS] = 0
+    seen, frontier, d = {SUCCESS}, {SUCCESS}, 0
+    unseen = set(batch_preds) - seen    # current next states still without a distance
+    while frontier and unseen:
         d += 1
-        found = []
+        reached = set()
         for node in frontier:
-            for graph in (batch_preds, hist_preds):
-                for src in graph.get(node, ()):
-                    if src not in dist:
-                        dist[src] = d
-                        found.append(src)
-                        if src in batch_preds:
-                            left -= 1
-        frontier = found
-    if left:   # the BFS ran to the end: level d found nothing, so d_max = d - 1
-        return {n: dist.get(n, d) for n in batch_preds}   # unreachable: d_max + 1 = d
-    return {n: dist[n] for n in batch_preds}
+            reached.update(batch_preds.get(node, ()), hist_preds.get(node, ()))
+        frontier = reached - seen
+        seen |= frontier
+        for node in frontier & unseen:
+            dist[node] = d
+        unseen -= frontier
+    # Some next states left unseen means the BFS ran to the end: level d found nothing new, so
+    # d_max = d - 1 and an unreachable node gets d_max + 1 = d.
+    for node in unseen:
+        dist[node] = d
+    return dist
 
 
 def _graph_returns(trajs, hist_preds, success_reward, graph_gamma, invalid_penalty):
@@ -157,34 +163,26 @@ def _graph_returns(trajs, hist_preds, success_reward, graph_gamma, invalid_penal
             if into is None:
                 batch_preds[nxt] = [src]
             else:
-                into.append(src)
-    value = {n: success_reward * graph_gamma ** d
-             for n, d in _distances(batch_preds, hist_preds).items()}
-    srcs, values = [], []
-    for traj, nexts in zip(trajs, nexts_of):
-        srcs += traj["states"][:-1]
-        values += [value[n] if ok else value[n] - invalid_penalty
-                   for n, ok in zip(nexts, traj["valid"])]
-    return srcs, values
+                into.append(src)   # duplicates are cheaper to keep than to remove here
+    dist = _distances(batch_preds, hist_preds)
+    graph_return = [success_reward * graph_gamma ** d for d in range(max(dist.values(), default=0) + 1)]
+    value = {n: graph_return[d] for n, d in dist.items()}
+    return [[value[n] if ok else value[n] - invalid_penalty for n, ok in zip(nexts, traj["valid"])]
+            for traj, nexts in zip(trajs, nexts_of)]
 
 
-def _anchor_normalise(srcs, values, norm, eps):
-    """E3: normalise each step value within its anchor group, the current steps of one task that
-    share a source state s_{i,t} (the caller passes one task at a time, so the key (task, s) of
-    DESIGN.md is the state alone here), with E1's statistics rule; a group of one gives 0."""
-    anchors = {}   # {state: [values]} in batch order
-    for s, v in zip(srcs, values):
-        bucket = anchors.get(s)
-        if bucket is None:
-            anchors[s] = [v]
-        else:
-            bucket.append(v)
-    stats = {s: _norm_stats(b, norm, eps) for s, b in anchors.items() if len(b) > 1}
-    out = []
-    for s, v in zip(srcs, values):
-        st = stats.get(s)
-        out.append(0.0 if st is None else (v - st[0]) / st[1])
-    return out
+def _anchor_stats(trajs, returns, norm, eps):
+    """E3: the statistics of each anchor group, the current steps of one task that share a source
+    state s_{i,t} (the caller passes one task at a time, so DESIGN.md's key (task, s) is the state
+    alone here), with E1's rule: {state: (mean, scale)}; a step's normalised value is
+    (q - mean) / scale, exactly 0 in a group of one."""
+    anchors = defaultdict(list)   # {state: [step returns]} in batch order
+    for traj, row in zip(trajs, returns):
+        for s, q in zip(traj["states"], row):
+            anchors[s].append(q)
+    # A lone state skips the call (most states of a long episode are lone): (q - q) / 1.0 = 0.
+    return {s: (b[0], 1.0) if len(b) == 1 else _norm_stats(b, norm, eps)
+            for s, b in anchors.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,14 +218,14 @@ def compute_advantages(groups, algo="tigpo", memory=None, *, success_reward=10.0
         pool = scores
         if algo == "tigpo" and cross_temporal and group.get("kind", "explore") == "revisit":
             pool = [float(z) for z in group["ref_scores"]] + scores   # Z = Z_E u Z_now (E8)
-        st = _norm_stats(pool, norm, eps)
-        episode.append([0.0] * len(scores) if st is None else [(z - st[0]) / st[1] for z in scores])
+        mean, scale = _norm_stats(pool, norm, eps)
+        episode.append([(z - mean) / scale for z in scores])
 
     if algo == "grpo":
         return [[[lambda_ep * ep] * len(traj["valid"]) for traj, ep in zip(group["trajs"], row)]
                 for group, row in zip(groups, episode)]
 
-    # Step term, task by task: every current step of a task, in batch order, then back to groups.
+    # Step term, task by task (E3 groups and E4/E7 graphs never cross tasks), then E9.
     by_task = {}
     for g, group in enumerate(groups):
         by_task.setdefault(group["task"], []).append(g)
@@ -235,20 +233,19 @@ def compute_advantages(groups, algo="tigpo", memory=None, *, success_reward=10.0
     for task, members in by_task.items():
         trajs = [traj for g in members for traj in groups[g]["trajs"]]
         if algo == "gigpo":
-            srcs, values = _discounted_returns(trajs, step_gamma, invalid_penalty)
+            returns = _discounted_returns(trajs, step_gamma, invalid_penalty)
         else:
             hist = memory.preds.get(task, {}) if algo == "tigpo" and memory is not None else {}
-            srcs, values = _graph_returns(trajs, hist, success_reward, graph_gamma,
-                                          invalid_penalty)
-        step = _anchor_normalise(srcs, values, norm, eps)
-        pos = 0
+            returns = _graph_returns(trajs, hist, success_reward, graph_gamma, invalid_penalty)
+        stats = _anchor_stats(trajs, returns, norm, eps)
+        rows = iter(returns)
         for g in members:
             per_traj = []
             for traj, ep in zip(groups[g]["trajs"], episode[g]):
-                end = pos + len(traj["valid"])
                 e = lambda_ep * ep
-                per_traj.append([lambda_step * a + e for a in step[pos:end]])   # E9
-                pos = end
+                # E3's normalisation and E9's sum in one pass over the steps (s_{i,t}, q_{i,t}).
+                per_traj.append([lambda_step * ((q - mean) / scale) + e for q, (mean, scale)
+                                 in zip(next(rows), map(stats.__getitem__, traj["states"]))])
             out[g] = per_traj
     return out
 
@@ -282,10 +279,11 @@ class GraphMemory:
         was valid."""
         for g, group in enumerate(groups):
             _check_trajs(group, g)
-            for traj in group["trajs"]:
-                self._insert(group["task"], [
-                    (src, nxt) for src, nxt, ok in zip(traj["states"], _next_states(traj),
-                                                        traj["valid"]) if ok and src != nxt])
+            # The group's valid edges, deduplicated in order at C speed (compress keeps the pairs
+            # whose valid flag is set, dict.fromkeys drops repeats); self-loops drop in _insert.
+            self._insert(group["task"], dict.fromkeys(chain.from_iterable(
+                compress(zip(traj["states"], _next_states(traj)), traj["valid"])
+                for traj in group["trajs"])))
 
     def _insert(self, task, pairs):
         if not pairs:
@@ -294,6 +292,8 @@ class GraphMemory:
         order = self.order.setdefault(task, deque())
         cap = self.max_edges_per_task
         for src, dst in pairs:
+            if src == dst:
+                continue   # a self-loop never shortens a path (E10)
             into = preds.get(dst)
             if into is None:
                 preds[dst] = {src}
