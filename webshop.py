@@ -198,7 +198,8 @@ class WebShopEnv:
                 resp = self._http.get(url, timeout=(self.connect_timeout, self.timeout))
             except (requests.ConnectionError, requests.Timeout,
                     requests.exceptions.ChunkedEncodingError) as err:
-                failure, slow = f"{type(err).__name__}: {err}", isinstance(err, requests.ReadTimeout)
+                failure = f"{type(err).__name__}: {err}"
+                slow = isinstance(err, requests.ReadTimeout)
                 continue
             if resp.status_code not in (502, 503, 504):
                 return resp
@@ -321,10 +322,10 @@ class WebShopEnv:
         self._session, self._done = f"fixed_{int(index)}", True
         page = {"route": "index"}
         loaded, error = self._load(page)
-        if error is not None:
-            raise RuntimeError(f"cannot start WebShop goal {index} at {self.url}: {error} (a "
-                               f"goal past the server's goal list? then lower "
-                               f"num_goals={self.num_goals})")
+        if error is not None:   # app.py answers 500 (IndexError) for a goal past its list
+            hint = (f"a goal past the server's goal list? then lower num_goals={self.num_goals}"
+                    if "HTTP 500" in error else f"is it a WebShop server? To run one: {START_HINT}")
+            raise RuntimeError(f"cannot start WebShop goal {index} at {self.url}: {error} ({hint})")
         self._enter(page, *loaded)
         self.goal, self._steps, self._done = loaded[0].goal(), 0, False
         return self._obs, self._info(task=f"webshop/{int(index)}")

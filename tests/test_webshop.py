@@ -204,6 +204,15 @@ def test_a_server_too_slow_to_answer_is_a_clear_error(env, server):
     server.shop.delay = 0.0
 
 
+def test_a_goal_the_server_lacks_or_a_foreign_server_is_a_clear_error(server):
+    env = webshop.WebShopEnv(url=server.url, split="train", num_goals=700)
+    with pytest.raises(RuntimeError, match="HTTP 500.*lower num_goals=700"):
+        env.reset("webshop/600")                       # the server has 520 goals
+    env = webshop.WebShopEnv(url=server.url + "/elsewhere", split="test")
+    with pytest.raises(RuntimeError, match="HTTP 404.*is it a WebShop server.*run_dev.sh"):
+        env.reset("webshop/0")
+
+
 def test_no_server_is_a_clear_error():
     with socket.socket() as sock:          # a port nobody listens on
         sock.bind(("127.0.0.1", 0))
