@@ -65,7 +65,10 @@ SPLITS = ("train", "valid_seen", "valid_unseen")
 DEFAULT_NUM_TRAIN, DEFAULT_NUM_EVAL = 24, 6            # the generated default (~30 s, see README)
 BANNER = "-= Welcome to TextWorld, ALFRED! =-"
 NOTHING = "Nothing happens."                           # textworld's answer to a non-admissible command
-_BOOKKEEPING = ("checked", "examined", "new-axiom")    # facts no precondition or goal reads
+# Left out of the "facts" key: bookkeeping no precondition or goal reads (look/examine mark things
+# "checked"), and the negated "not_..." facts textworld keeps after a delete effect (they record
+# history: leaving a place twice is not a different world state).
+_NOT_STATE = ("checked", "examined", "new-axiom", "not_")
 
 
 def _install_parse_memo():
@@ -137,7 +140,7 @@ class AlfWorldGame:
     def _state_key(self, obs):
         facts = self._state["_facts"]          # raw PDDL facts of the current world state
         if self.state_key == "facts":
-            return _digest(sorted(str(f) for f in facts if not f.name.startswith(_BOOKKEEPING)))
+            return _digest(sorted(str(f) for f in facts if not f.name.startswith(_NOT_STATE)))
         where = sorted(str(f.arguments[1].name) for f in facts if f.name == "atlocation")
         held = sorted(str(f.arguments[1].name) for f in facts if f.name == "holds")
         return _digest([obs, "|".join(where), "|".join(held)] + sorted(self._admissible()))
