@@ -287,7 +287,7 @@ class GraphMemory:
 
     def _insert(self, task, pairs):
         if not pairs:
-            return   # a task enters the memory with its first edge, never empty
+            return
         preds = self.preds.setdefault(task, {})
         order = self.order.setdefault(task, deque())
         cap = self.max_edges_per_task
@@ -308,6 +308,8 @@ class GraphMemory:
                 old.discard(old_src)
                 if not old:
                     del preds[old_dst]
+        if not order:   # every pair was a self-loop: a task enters the memory with an edge
+            del self.preds[task], self.order[task]
 
     def edges(self, task):
         """The stored graph of one task as {src: {dst}}, a fresh copy; {} for an unknown task."""
