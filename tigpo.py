@@ -20,7 +20,6 @@ Details the paper leaves open are marked *(choice)* here and in DESIGN.md.
 import math
 import random
 from collections import defaultdict, deque
-from itertools import chain, compress
 
 __all__ = ["SUCCESS", "ALGOS", "NORMS", "compute_advantages", "GraphMemory", "RevisitScheduler"]
 
@@ -279,21 +278,21 @@ class GraphMemory:
         was valid."""
         for g, group in enumerate(groups):
             _check_trajs(group, g)
-            # The group's valid edges, deduplicated in order at C speed (compress keeps the pairs
-            # whose valid flag is set, dict.fromkeys drops repeats); self-loops drop in _insert.
-            self._insert(group["task"], dict.fromkeys(chain.from_iterable(
-                compress(zip(traj["states"], _next_states(traj)), traj["valid"])
-                for traj in group["trajs"])))
+            for traj in group["trajs"]:
+                self._insert(group["task"],
+                             zip(traj["states"], _next_states(traj), traj["valid"]))
 
-    def _insert(self, task, pairs):
-        if not pairs:
-            return
-        preds = self.preds.setdefault(task, {})
-        order = self.order.setdefault(task, deque())
+    def _insert(self, task, transitions):
+        """Store the valid, non-self-loop (src, dst, valid) transitions, in order, new edges only;
+        then evict the task's oldest edges beyond the bound."""
+        preds, order = self.preds.get(task), self.order.get(task)
         cap = self.max_edges_per_task
-        for src, dst in pairs:
-            if src == dst:
-                continue   # a self-loop never shortens a path (E10)
+        for src, dst, ok in transitions:
+            if not ok or src == dst:
+                continue   # an invalid action is no transition; a self-loop never shortens a path
+            if preds is None:   # a task enters the memory with its first edge, never empty
+                preds = self.preds[task] = {}
+                order = self.order[task] = deque()
             into = preds.get(dst)
             if into is None:
                 preds[dst] = {src}
@@ -308,8 +307,6 @@ class GraphMemory:
                 old.discard(old_src)
                 if not old:
                     del preds[old_dst]
-        if not order:   # every pair was a self-loop: a task enters the memory with an edge
-            del self.preds[task], self.order[task]
 
     def edges(self, task):
         """The stored graph of one task as {src: {dst}}, a fresh copy; {} for an unknown task."""
@@ -354,7 +351,7 @@ class GraphMemory:
         """Replace this memory by a saved one (bound included); the eviction order survives."""
         self.__init__(state["max_edges_per_task"])
         for task, edges in state["edges"].items():
-            self._insert(task, [(src, dst) for src, dst in edges])
+            self._insert(task, ((src, dst, True) for src, dst in edges))
 
 
 # ---------------------------------------------------------------------------------------------
