@@ -1,6 +1,6 @@
 """bench/credit.py: a CPU credit-assignment benchmark (issue 5): GRPO, GiGPO, GraphGPO, TIGPO and
-TIGPO's ablations trained on a synthetic long-horizon task family with a tabular softmax policy,
-using the SAME tigpo.compute_advantages / GraphMemory / RevisitScheduler that train.py uses.
+TIGPO's ablations (DESIGN.md E1-E11) trained on a synthetic long-horizon task family with a tabular
+softmax policy, using the SAME tigpo.compute_advantages / GraphMemory / RevisitScheduler as train.py.
 
     python bench/credit.py --quick     # < 2 min: one row per method, the K=4 column of the table
     python bench/credit.py             # the full table, K in {2, 4, 8} x 5 seeds, and bench/credit.png
@@ -205,8 +205,10 @@ def train_run(method, k, seed, cfg):
     def evaluate():
         return statistics.fmean(success_probability(tasks[key], theta[key], cfg) for key in tasks)
 
-    curve, zero_steps, all_steps, env_steps, start = [(0, evaluate())], 0, 0, 0, time.perf_counter()
+    curve, zero_steps, all_steps, train_seconds = [(0, evaluate())], 0, 0, 0.0
+    task_hits, state_hits = [], []
     for update in range(cfg.updates):
+        start = time.perf_counter()
         policy, groups = {}, []   # policy: task -> its frozen sampler for this update
         for slot in scheduler.plan(update):
             key = slot["task"]
@@ -216,29 +218,36 @@ def train_run(method, k, seed, cfg):
             groups, spec["algo"], memory, success_reward=cfg.success_reward,
             graph_gamma=cfg.graph_gamma, cross_temporal=spec["cross_temporal"])
         # Policy gradient, one SGD step per update: theta_s += lr * A_t * grad log pi(a_t|s_t),
-        # grad wrt the logits = onehot(a) - pi. Summed over steps (REINFORCE's estimator), with
-        # pi the sampling policy, so the step is exactly on-policy.
+        # grad wrt the logits = onehot(a) - pi, with pi the sampling policy, so the step is exactly
+        # on-policy (E12's ratio is 1, its clip inert; no KL term). Summed over steps, REINFORCE's
+        # estimator: E12's token-mean would divide by the batch's step count, which shrinks as
+        # episodes get shorter, so one fixed lr would mean different steps for different methods.
         for group, group_adv in zip(groups, advantages):
             key = group["task"]
             for traj, traj_adv in zip(group["trajs"], group_adv):
-                env_steps += len(traj_adv)
                 for s, a, adv in zip(traj["state_ids"], traj["actions"], traj_adv):
                     all_steps += 1
-                    if abs(adv) < 1e-6:  # "zero": below E1's epsilon it moves nothing
-                        zero_steps += 1
+                    if abs(adv) < 1e-6:  # counted as zero: below E1's epsilon; skipping it moves
+                        zero_steps += 1  # a logit by < lr * 1e-6
                         continue
                     pi, row = policy[key](s)[0], theta[key][s]
                     for b in range(cfg.num_actions):
                         row[b] -= cfg.lr * adv * pi[b]
                     row[a] += cfg.lr * adv
         if memory is not None:
+            hits = memory.stats(groups)  # before add: was this batch's task / state already stored?
+            task_hits.append(hits["task_hit_rate"])
+            state_hits.append(hits["state_hit_rate"])
             memory.add(groups)  # E10, after the update as in train.py
         scheduler.record(update, groups)
+        train_seconds += time.perf_counter() - start
         if (update + 1) % cfg.eval_every == 0 or update + 1 == cfg.updates:
             curve.append((update + 1, evaluate()))
     return {"method": method, "k": k, "seed": seed, "curve": curve,
-            "zero_frac": zero_steps / max(all_steps, 1), "env_steps": env_steps,
-            "seconds": time.perf_counter() - start}
+            "zero_frac": zero_steps / max(all_steps, 1), "steps": all_steps,
+            "memory_hits": (statistics.fmean(task_hits), statistics.fmean(state_hits))
+            if task_hits else None,
+            "train_seconds": train_seconds}
 
 
 def _train_run_star(job):
@@ -253,33 +262,38 @@ def updates_to(curve, level=0.5):
     return next((u for u, s in curve if s >= level), math.inf)
 
 
+def mean_std(values):
+    return f"{statistics.fmean(values):.3f} ± {statistics.stdev(values) if len(values) > 1 else 0.0:.3f}"
+
+
 def summarize(results, methods, ks, label_k=True):
-    """Markdown table: one row per (method, K); rows start with the method name."""
+    """Markdown table, one row per (method, K), each row starting with the method name."""
     lines = ["| method | final success | mean success over training | updates to 50% (median, "
-             "reached) | zero-advantage steps |", "|---|---|---|---|---|"]
-    rows = []
+             "reached) | zero-advantage steps | memory hit task / state |",
+             "|---|---|---|---|---|---|"]
     for method in methods:
         for k in ks:
             runs = [r for r in results if r["method"] == method and r["k"] == k]
             finals = [r["curve"][-1][1] for r in runs]
-            hits = sorted(updates_to(r["curve"]) for r in runs)
-            reached = sum(h < math.inf for h in hits)
-            median = statistics.median(hits)
-            med_txt = "never" if median == math.inf else f"{median:g}"
-            std = statistics.stdev(finals) if len(finals) > 1 else 0.0
-            zero = statistics.fmean(r["zero_frac"] for r in runs)
-            # Area under the learning curve: speed of learning, where final success saturates.
+            # Mean over the evaluated points = area under the learning curve: learning speed,
+            # which still separates methods where final success saturates.
             aucs = [statistics.fmean(s for _, s in r["curve"]) for r in runs]
-            auc_std = statistics.stdev(aucs) if len(aucs) > 1 else 0.0
+            # Median with "never" as infinity: honest when a minority of seeds never get there.
+            reach_at = [updates_to(r["curve"]) for r in runs]
+            median = statistics.median(reach_at)
+            reached = sum(u < math.inf for u in reach_at)
+            reach_txt = f"{'never' if median == math.inf else f'{median:g}'} ({reached}/{len(runs)})"
+            zero = statistics.fmean(r["zero_frac"] for r in runs)
+            hits = [r["memory_hits"] for r in runs if r["memory_hits"]]
+            hit_txt = (f"{statistics.fmean(h[0] for h in hits):.2f} / "
+                       f"{statistics.fmean(h[1] for h in hits):.2f}") if hits else "—"
             name = f"{method} K={k}" if label_k else method
-            rows.append((method, k, statistics.fmean(finals), std, median, reached, len(runs), zero))
-            lines.append(f"| {name} | {statistics.fmean(finals):.3f} ± {std:.3f} | "
-                         f"{statistics.fmean(aucs):.3f} ± {auc_std:.3f} | "
-                         f"{med_txt} ({reached}/{len(runs)}) | {zero:.3f} |")
-    return "\n".join(lines), rows
+            lines.append(f"| {name} | {mean_std(finals)} | {mean_std(aucs)} | {reach_txt} | "
+                         f"{zero:.3f} | {hit_txt} |")
+    return "\n".join(lines)
 
 
-def plot(results, methods, ks, path):
+def plot(results, methods, ks, rollouts, path):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -299,7 +313,7 @@ def plot(results, methods, ks, path):
             line, = ax.plot(xs, mean, label=method, linestyle="--" if "-" in method else "-")
             ax.fill_between(xs, [m - e for m, e in zip(mean, err)], [m + e for m, e in zip(mean, err)],
                             color=line.get_color(), alpha=0.15)
-        ax.set_title(f"K = {k} (B·K = {results[0]['rollouts']} rollouts/update)")
+        ax.set_title(f"K = {k} (B·K = {rollouts} rollouts/update)")
         ax.set_xlabel("update")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("train success (sampling policy, exact)")
@@ -310,21 +324,22 @@ def plot(results, methods, ks, path):
 
 
 def run_benchmark(cfg, methods, ks, seeds, workers, log=print):
+    """Every (method, K, seed) run, over `workers` processes; the runs are independent."""
     jobs = [(m, k, s, cfg) for k in ks for s in seeds for m in methods]
     results = []
+
+    def collect(stream):
+        for r in stream:
+            results.append(r)
+            log(f"[{len(results)}/{len(jobs)}] {r['method']} K={r['k']} seed={r['seed']}: final "
+                f"success {r['curve'][-1][1]:.3f}, {r['steps'] / r['train_seconds']:,.0f} steps/s "
+                "training (rollouts + advantages + update)")
+
     if workers <= 1:
-        stream = map(_train_run_star, jobs)
+        collect(map(_train_run_star, jobs))
     else:
-        pool = get_context().Pool(workers)
-        stream = pool.imap_unordered(_train_run_star, jobs)
-    for i, r in enumerate(stream, 1):
-        r["rollouts"] = cfg.rollouts
-        results.append(r)
-        log(f"[{i}/{len(jobs)}] {r['method']} K={r['k']} seed={r['seed']}: final success "
-            f"{r['curve'][-1][1]:.3f}, {r['env_steps'] / r['seconds']:,.0f} train steps/s")
-    if workers > 1:
-        pool.close()
-        pool.join()
+        with get_context().Pool(workers) as pool:
+            collect(pool.imap_unordered(_train_run_star, jobs))
     # imap_unordered finishes in any order: sort so the output does not depend on scheduling.
     results.sort(key=lambda r: (list(methods).index(r["method"]), r["k"], r["seed"]))
     return results
@@ -353,6 +368,10 @@ def main(argv=None):
     if unknown:
         parser.error(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
     ks = [int(x) for x in (args.ks or ("4" if args.quick else "2,4,8")).split(",")]
+    bad_ks = [k for k in ks if k < 1 or cfg.rollouts % k]
+    if bad_ks:
+        parser.error(f"K={bad_ks} does not divide --rollouts {cfg.rollouts}: the budget B*K must be "
+                     "the same for every K; pick K among the divisors of --rollouts")
     seeds = range(args.seeds)
     plot_path = args.plot or (None if args.quick else os.path.join(os.path.dirname(__file__), "credit.png"))
 
@@ -360,15 +379,20 @@ def main(argv=None):
     print(f"env: {env_steps_per_second(cfg):,.0f} steps/s (pure Python, uniform random actions)")
     start = time.perf_counter()
     results = run_benchmark(cfg, methods, ks, seeds, args.workers)
-    table, _ = summarize(results, methods, ks, label_k=len(ks) > 1)
+    table = summarize(results, methods, ks, label_k=len(ks) > 1)
     print(f"\nFinal success = exact success probability of the sampling policy (temperature 1) "
           f"over the {cfg.num_tasks} train tasks after {cfg.updates} updates, mean ± std over "
           f"{len(seeds)} seeds; B*K = {cfg.rollouts} rollouts per update for every method"
           + (f" (K = {ks[0]})" if len(ks) == 1 else "") + ".\n")
     print(table)
+    print(f"\nmean success over training = area under the learning curve (evaluated every "
+          f"{cfg.eval_every} updates); updates to 50% = first evaluation at >= 0.5, median over "
+          "seeds (never = infinity), with how many seeds got there; zero-advantage steps = share "
+          "of training steps with |A| < 1e-6; memory hit = share of groups whose task, and of "
+          "current states, already in GraphMemory before the update (tigpo variants).")
     print(f"\n{len(results)} runs in {time.perf_counter() - start:.0f} s with {args.workers} workers")
     if plot_path:
-        plot(results, methods, ks, plot_path)
+        plot(results, methods, ks, cfg.rollouts, plot_path)
 
 
 if __name__ == "__main__":

@@ -92,3 +92,7 @@ def test_quick_style_table_has_one_sane_row_per_method(capsys):
         assert 0.0 <= auc <= 1.0
         assert re.match(r"(never|\d+) \(\d/2\)", cells[3])
         assert 0.0 <= float(cells[4]) <= 1.0
+        uses_memory = credit.METHODS[cells[0]]["memory"]
+        assert (cells[5] == "—") != uses_memory
+        if uses_memory:
+            assert all(0.0 <= float(x) <= 1.0 for x in cells[5].split(" / "))
