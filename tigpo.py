@@ -62,8 +62,8 @@ def _check_groups(groups, algo, norm):
             raise ValueError(f"{where} has kind {kind!r}: use 'explore' or 'revisit'")
         # Checked for every algo, not only tigpo, so a broken schedule fails on any baseline too.
         if kind == "revisit" and not group.get("ref_scores"):
-            raise ValueError(f"{where} is a revisit group without ref_scores: pass the scores Z_E "
-                             f"recorded when the task was explored (RevisitScheduler.plan gives them)")
+            raise ValueError(f"{where} is a revisit group without ref_scores: pass the scores "
+                             f"Z_E recorded at exploration (RevisitScheduler.plan gives them)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,7 +164,8 @@ def _graph_returns(trajs, hist_preds, success_reward, graph_gamma, invalid_penal
             else:
                 into.append(src)   # duplicates are cheaper to keep than to remove here
     dist = _distances(batch_preds, hist_preds)
-    graph_return = [success_reward * graph_gamma ** d for d in range(max(dist.values(), default=0) + 1)]
+    graph_return = [success_reward * graph_gamma ** d   # C * gamma^d, once per distance
+                    for d in range(max(dist.values(), default=0) + 1)]
     value = {n: graph_return[d] for n, d in dist.items()}
     return [[value[n] if ok else value[n] - invalid_penalty for n, ok in zip(nexts, traj["valid"])]
             for traj, nexts in zip(trajs, nexts_of)]
@@ -243,6 +244,8 @@ def compute_advantages(groups, algo="tigpo", memory=None, *, success_reward=10.0
             for traj, ep in zip(groups[g]["trajs"], episode[g]):
                 e = lambda_ep * ep
                 # E3's normalisation and E9's sum in one pass over the steps (s_{i,t}, q_{i,t}).
+                # Trap: zip must take the returns first; it then stops at step T before asking
+                # for s_T, which left no step and so has no anchor statistics.
                 per_traj.append([lambda_step * ((q - mean) / scale) + e for q, (mean, scale)
                                  in zip(next(rows), map(stats.__getitem__, traj["states"]))])
             out[g] = per_traj

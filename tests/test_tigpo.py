@@ -293,7 +293,8 @@ def test_memory_state_dict_round_trip_is_exact_and_json():
         m.add([chain_group("x", "d", "e")])
     assert restored.edges("x") == memory.edges("x") == {"b": {"c"}, "c": {"d"}, "d": {"e"}}
     batch = history_batch()
-    assert compute_advantages(batch, "tigpo", restored) == compute_advantages(batch, "tigpo", memory)
+    assert (compute_advantages(batch, "tigpo", restored)
+            == compute_advantages(batch, "tigpo", memory))
 
 
 # ---------------------------------------------------------------------------------------------

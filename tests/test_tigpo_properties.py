@@ -44,7 +44,8 @@ def naive_distances(edges):
 def naive_steps(traj):
     """(src, next, valid, t, T) per step, the last step of a won trajectory ending in SUCCESS."""
     states, valid, T = traj["states"], traj["valid"], len(traj["valid"])
-    return [(states[t], SUCCESS if traj["success"] and t == T - 1 else states[t + 1], valid[t], t, T)
+    won = traj["success"]
+    return [(states[t], SUCCESS if won and t == T - 1 else states[t + 1], valid[t], t, T)
             for t in range(T)]
 
 
