@@ -4,8 +4,9 @@ Times compute_advantages(algo="tigpo") + memory.add on a paper-scale batch (B=16
 of them revisits, K=8 rollouts, T=50 steps: 6,400 transitions) against a persistent memory of
 >= 100k edges over 200 tasks, next to a bare pass that touches every transition once (one dict
 insert keyed by (task, state)). Prints milliseconds (best and median over --reps batches), the
-ratio to the bare pass (target <= 10) and the bytes the memory's containers take per stored edge. Synthetic rollouts: each task is a
-random graph of 150 states x 5 actions, 10% invalid actions (the state stays), 25% wins.
+ratio to the bare pass (target <= 10) and the bytes the memory's containers take per stored
+edge. Synthetic rollouts: each task is a random graph of 150 states x 5 actions, 10% invalid
+actions (the state stays), 25% wins; every state key is a fresh string, as an env makes them.
 
     python bench/core_overhead.py [--reps 40] [--seed 0]
 """
