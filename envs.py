@@ -308,7 +308,6 @@ def generate_alfworld(out_dir, num_train=DEFAULT_NUM_TRAIN, num_eval=DEFAULT_NUM
 # a top-level train.py script again). Env slot j of a batch lives on worker j % num_workers; every
 # env is deterministic on its own, so results do not depend on num_workers.
 # ---------------------------------------------------------------------------------------------
-import atexit
 import subprocess
 import weakref
 
@@ -332,8 +331,8 @@ class EnvPool:
         self.name, self.kwargs, self.num_workers = name, make_env_kwargs, num_workers
         self._procs = [None] * num_workers
         self._dones = []
+        # runs on close(), when the pool is garbage-collected, and at interpreter exit
         self._finalizer = weakref.finalize(self, EnvPool._kill_all, self._procs)
-        atexit.register(self._finalizer)
 
     @property
     def pids(self):
@@ -383,7 +382,7 @@ class EnvPool:
         obs, infos = [None] * len(tasks), [None] * len(tasks)
         for w, reply in replies.items():
             if reply is not None and "fatal" in reply:
-                raise TaskError(reply["fatal"])
+                raise TaskError(f"EnvPool worker {w}: {reply['fatal']}")
             for j in requests[w]["tasks"]:
                 if reply is None:
                     obs[j], infos[j] = "", {"error": f"env worker {w} died during reset", "won": False}
@@ -456,10 +455,13 @@ def _worker(name, kwargs):
             if msg["cmd"] == "reset":
                 for j, task in msg["tasks"].items():
                     if j not in envs:
-                        envs[j] = make_env(name, **kwargs)
+                        try:
+                            envs[j] = make_env(name, **kwargs)
+                        except Exception as e:   # a bad configuration is the caller's bug: fail loudly
+                            raise _Fatal(f"make_env({name!r}) failed: {type(e).__name__}: {e}") from e
                     try:
                         results[j] = envs[j].reset(task)
-                    except TaskError as e:       # a bad task key is the caller's bug: fail loudly
+                    except TaskError as e:       # so is an unknown task key
                         raise _Fatal(str(e)) from e
                     except Exception as e:       # a game that crashes: only this episode fails
                         results[j] = ("", {"error": f"{type(e).__name__}: {e}", "won": False})

@@ -37,7 +37,7 @@ def alive(pid):
 
 def test_pool_equals_single_env_for_any_number_of_workers(alfworld_data):
     env = envs.make_env("alfworld", split="train", data_dir=alfworld_data)
-    tasks = env.tasks + env.tasks[:3]     # K rollouts of one task are separate envs
+    tasks = env.tasks[:4] + env.tasks[:2]     # K rollouts of one task are separate envs
     walks = plans(alfworld_data, tasks)
     traces = []
     for workers in (1, 2):
