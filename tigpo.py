@@ -26,6 +26,7 @@ __all__ = ["SUCCESS", "ALGOS", "NORMS", "compute_advantages", "GraphMemory", "Re
 SUCCESS = "<success>"   # E4: the goal sink every won trajectory's last step leads to
 ALGOS = ("grpo", "gigpo", "graphgpo", "tigpo")
 NORMS = ("mean_std", "mean")
+_TRAJ_KEYS = frozenset(("states", "valid", "score", "success"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -40,8 +41,8 @@ def _check_trajs(group, g):
     if not trajs:
         raise ValueError(f"{where} is empty: a group needs at least one trajectory in 'trajs'")
     for i, traj in enumerate(trajs):
-        missing = [k for k in ("states", "valid", "score", "success") if k not in traj]
-        if missing:
+        if not _TRAJ_KEYS <= traj.keys():
+            missing = sorted(_TRAJ_KEYS - traj.keys())
             raise ValueError(f"{where}, trajectory {i}: missing keys {missing}")
         if len(traj["valid"]) != len(traj["states"]) - 1:
             raise ValueError(

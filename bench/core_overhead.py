@@ -3,10 +3,11 @@
 Times compute_advantages(algo="tigpo") + memory.add on a paper-scale batch (B=16 groups, half
 of them revisits, K=8 rollouts, T=50 steps: 6,400 transitions) against a persistent memory of
 >= 100k edges over 200 tasks, next to a bare pass that touches every transition once (one dict
-insert keyed by (task, state)). Prints milliseconds (best and median over --reps batches), the
-ratio to the bare pass (target <= 10) and the bytes the memory's containers take per stored
-edge. Synthetic rollouts: each task is a random graph of 150 states x 5 actions, 10% invalid
-actions (the state stays), 25% wins; every state key is a fresh string, as an env makes them.
+insert keyed by (task, state)). Prints milliseconds (CPU and wall clock, best and median over
+--reps batches), the ratio to the bare pass (target <= 10) and the bytes the memory's containers
+take per stored edge. Synthetic rollouts: each task is a random graph of 150 states x 5
+actions, 10% invalid actions (the state stays), 25% wins; every state key is a fresh string,
+as an env makes them.
 
     python bench/core_overhead.py [--reps 40] [--seed 0]
 """
@@ -71,10 +72,13 @@ def bare_pass(groups):
 
 
 def timed(fn):
+    """(cpu ms, wall ms) of one call. CPU time is the headline: on a shared machine the wall clock
+    also counts the time other processes hold the core, and a 7 ms pass is preempted far more
+    often than a 0.6 ms one, which inflates the ratio."""
     gc.collect()
-    start = time.perf_counter()
+    cpu, wall = time.process_time(), time.perf_counter()
     fn()
-    return (time.perf_counter() - start) * 1e3
+    return (time.process_time() - cpu) * 1e3, (time.perf_counter() - wall) * 1e3
 
 
 def main():
@@ -117,23 +121,26 @@ def main():
         # batch the memory has not seen yet, so the memory grows a little from batch to batch.
         rows["tigpo"].append(timed(lambda: tigpo.compute_advantages(batch, "tigpo", memory)))
         rows["add"].append(timed(lambda: memory.add(batch)))
-        rows["tigpo+add"].append(rows["tigpo"][-1] + rows["add"][-1])
+        rows["tigpo+add"].append(tuple(map(sum, zip(rows["tigpo"][-1], rows["add"][-1]))))
 
-    # Best of N is the headline (timeit's convention): on a shared machine the other processes
-    # only ever add time, and they hit a 7 ms pass far more often than a 0.6 ms one, which
-    # inflates a ratio of medians. The median is printed beside it.
     n_steps = B * K * T
-    best_bare, median_bare = min(rows["bare"]), statistics.median(rows["bare"])
     print(f"batch: B={B} ({B_REVISIT} revisit), K={K}, T={T}: {n_steps:,} transitions; "
-          f"{args.reps} batches")
-    print(f"{'pass':<12}{'best ms':>9}{'x bare':>8}{'us/step':>9}{'median ms':>11}{'x bare':>8}")
+          f"{args.reps} batches; best and median per pass")
+    print(f"{'pass':<11}{'cpu best':>9}{'median':>8}{'x bare':>8}{'us/step':>9}"
+          f"{'wall best':>11}{'median':>8}{'x bare':>8}")
+    summary = {}
     for name, times in rows.items():
-        best, median = min(times), statistics.median(times)
-        print(f"{name:<12}{best:9.2f}{best / best_bare:8.2f}{best * 1e3 / n_steps:9.3f}"
-              f"{median:11.2f}{median / median_bare:8.2f}")
-    print(f"overhead ratio (tigpo advantages + memory.add) / bare pass = "
-          f"{min(rows['tigpo+add']) / best_bare:.2f} best, "
-          f"{statistics.median(rows['tigpo+add']) / median_bare:.2f} median (target <= 10)")
+        cpu, wall = zip(*times)
+        summary[name] = [f(c) for c in (cpu, wall) for f in (min, statistics.median)]
+    bare = summary["bare"]
+    for name, (cpu_best, cpu_med, wall_best, wall_med) in summary.items():
+        print(f"{name:<11}{cpu_best:9.2f}{cpu_med:8.2f}{cpu_best / bare[0]:8.2f}"
+              f"{cpu_best * 1e3 / n_steps:9.3f}{wall_best:11.2f}{wall_med:8.2f}"
+              f"{wall_best / bare[2]:8.2f}")
+    ratio = [a / b for a, b in zip(summary["tigpo+add"], bare)]
+    print(f"overhead ratio (tigpo advantages + memory.add) / bare pass (target <= 10): "
+          f"cpu {ratio[0]:.2f} best, {ratio[1]:.2f} median; "
+          f"wall {ratio[2]:.2f} best, {ratio[3]:.2f} median")
     print(f"memory containers: {container_bytes / 2**20:.1f} MiB, "
           f"{container_bytes / stats['edges']:.0f} bytes per edge (state strings not counted)")
 
