@@ -17,7 +17,6 @@ import numpy as np
 import alfworld
 import alfworld.gen.constants as C
 import alfworld.gen.goal_library as goal_library
-from alfworld.agents.utils.misc import Demangler
 
 # short name (what tigpo reports per type) -> ALFRED task type (the folder prefix of a game)
 TASK_TYPES = {"pick": "pick_and_place_simple", "look": "look_at_obj_in_light",
@@ -106,6 +105,7 @@ def sample_task(scene, short, rng):
     if short in APPLIANCE and APPLIANCE[short][0] not in rtypes:
         return None
     need = {"clean": "Cleanable", "heat": "Heatable", "cool": "Coolable"}.get(short)
+    appliance = APPLIANCE.get(short, (None, None))[0]
     options = []
     for otype in scene["objects"]:
         if need and otype not in C.VAL_ACTION_OBJECTS[need]:
@@ -114,8 +114,9 @@ def sample_task(scene, short, rng):
             options.append((otype, toggle))
             continue
         for rtype in rtypes:
+            # the target must fit in rtype, start somewhere else, and not be the appliance
             if (otype in C.VAL_RECEPTACLE_OBJECTS[rtype] and _holders(scene, otype, rtype)
-                    and rtype != (APPLIANCE.get(short) or (None,))[0]):
+                    and rtype != appliance):
                 options.append((otype, rtype))
     if not options:
         return None
@@ -132,8 +133,12 @@ def sample_task(scene, short, rng):
     if short == "look":
         lamps.append({"id": _obj_id(toggle, rng), "type": toggle,
                       "in": rng.choice([r for r in receps if r["type"] in LAMP_HOLDERS])["id"]})
-    used = {r["loc"] for r in receps}
-    free = [p for p in scene["points"] if _loc(p[0], p[1], 0, 30) not in used]
+    ids = [r["id"] for r in receps] + [t["id"] for t in objects + lamps]
+    if len(set(ids)) != len(ids):
+        return None   # two random ids collided (rare): the caller draws again
+    # the agent starts on a grid point where no receptacle is ("You are in the middle of a room")
+    used = {tuple(r["loc"].split("|")[1:3]) for r in receps}
+    free = [p for p in scene["points"] if tuple(_loc(p[0], p[1], 0, 30).split("|")[1:3]) not in used]
     x, z = rng.choice(free or scene["points"])
     agent = _loc(x, z, rng.choice([0, 90, 180, 270]), 30)
     return {"short": short, "task_type": TASK_TYPES[short], "scene": scene["num"],
@@ -196,6 +201,7 @@ def build_problem(spec, name):
 def entity_names(spec):
     """id -> the name the player sees ('mug 2'), computed with the wheel's Demangler exactly as
     ALFWorld's AlfredDemangler does on load (fast-downward lower-cases PDDL names)."""
+    from alfworld.agents.utils.misc import Demangler  # lazy: it pulls in textworld (~1 s)
     ids = ([mangle(t["id"]).lower() for t in spec["objects"] + spec["lamps"]]
            + [mangle(r["id"]).lower() for r in spec["receptacles"]])
     demangler = Demangler(game_infos={i: SimpleNamespace(id=i) for i in ids})

@@ -1,6 +1,17 @@
 """envs.py: environment adapters for tigpo (DESIGN.md "Environments"): ALFWorld on the real
 engine, WebShop over HTTP, the parallel env pool, and the step prompt / action parsing."""
+import functools
+import hashlib
+import json
+import os
 import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import weakref
+
+import alfworld_gen
 
 # ---------------------------------------------------------------------------------------------
 # Step prompt and action parsing (DESIGN.md "Prompt"). One prompt per step, not a growing chat:
@@ -51,18 +62,10 @@ def parse_action(reply):
 # AlfredInfos, with won and admissible commands requested. What we add: a per-process memo of
 # textworld's grammar parses (the speed-up), state keys, and the 10/0 reward.
 # ---------------------------------------------------------------------------------------------
-import functools
-import hashlib
-import json
-import os
-import sys
-
-import alfworld_gen
-
 ALFWORLD_TASK_TYPES = tuple(alfworld_gen.TASK_TYPES)   # pick, look, clean, heat, cool, pick2
 SUCCESS_REWARD = 10.0                                  # C of DESIGN.md E6: 10 on a win, else 0
 SPLITS = ("train", "valid_seen", "valid_unseen")
-DEFAULT_NUM_TRAIN, DEFAULT_NUM_EVAL = 24, 6            # the generated default (~30 s, see README)
+DEFAULT_NUM_TRAIN, DEFAULT_NUM_EVAL = 24, 6            # generated default: ~35 s of CPU, once
 BANNER = "-= Welcome to TextWorld, ALFRED! =-"
 NOTHING = "Nothing happens."                           # textworld's answer to a non-admissible command
 # Left out of the "facts" key: bookkeeping no precondition or goal reads (look/examine mark things
@@ -199,7 +202,6 @@ def resolve_alfworld_data(data_dir=None, seed=0, num_train=DEFAULT_NUM_TRAIN, nu
     target = os.path.join(_cache_dir(), f"alfworld-{seed}-{num_train}-{num_eval}")
     root = os.path.join(target, "json_2.1.1")
     if not os.path.isdir(root):
-        import tempfile
         os.makedirs(_cache_dir(), exist_ok=True)
         print(f"tigpo: no ALFWORLD_DATA; generating {num_train}+{num_eval}+{num_eval} ALFWorld "
               f"games once into {target}", file=sys.stderr)
@@ -210,7 +212,6 @@ def resolve_alfworld_data(data_dir=None, seed=0, num_train=DEFAULT_NUM_TRAIN, nu
         except OSError:
             if not os.path.isdir(root):
                 raise
-            import shutil
             shutil.rmtree(tmp)
     return root
 
@@ -258,10 +259,19 @@ class AlfWorldEnv:
     def __init__(self, split="train", data_dir=None, max_steps=50, state_key="facts", seed=0):
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        if state_key not in ("facts", "obs"):
+            raise ValueError(f"state_key must be 'facts' or 'obs', got {state_key!r}")
         self.root = resolve_alfworld_data(data_dir, seed)
-        self.tasks = list(alfworld_tasks(self.root, split))
-        self.max_steps, self.state_key = max_steps, state_key
+        self.split, self.max_steps, self.state_key = split, max_steps, state_key
+        if not os.path.isdir(os.path.join(self.root, split)):
+            alfworld_tasks(self.root, split)   # raises the error that names the folder
         self._game, self._task = None, None
+
+    @property
+    def tasks(self):
+        # listed on first use: pool workers never need it, and the official train split means
+        # reading ~3.5k game files
+        return list(alfworld_tasks(self.root, self.split))
 
     def reset(self, task):
         path = os.path.join(self.root, task)
@@ -272,7 +282,9 @@ class AlfWorldEnv:
             self._game = AlfWorldGame(path, self.max_steps, self.state_key)
             self._task = task
         obs, info = self._game.reset()
-        info.update(task=task, task_type=task_type_of(task))
+        with open(os.path.join(os.path.dirname(path), "traj_data.json")) as f:
+            task_type = alfworld_gen.SHORT_TYPE.get(json.load(f).get("task_type"))
+        info.update(task=task, task_type=task_type or task_type_of(task))
         return obs, info
 
     def step(self, text):
@@ -308,10 +320,6 @@ def generate_alfworld(out_dir, num_train=DEFAULT_NUM_TRAIN, num_eval=DEFAULT_NUM
 # a top-level train.py script again). Env slot j of a batch lives on worker j % num_workers; every
 # env is deterministic on its own, so results do not depend on num_workers.
 # ---------------------------------------------------------------------------------------------
-import subprocess
-import weakref
-
-
 class EnvPool:
     """B envs stepped in num_workers processes. reset(tasks) -> (obs, infos), one env per task;
     step(actions) -> (obs, rewards, dones, infos), actions aligned with the last reset. An action

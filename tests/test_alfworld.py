@@ -137,7 +137,7 @@ def test_broken_data_folder_is_a_clear_error(tmp_path, monkeypatch):
         envs.make_env("alfworld")
     (tmp_path / "json_2.1.1" / "train").mkdir(parents=True)
     with pytest.raises(ValueError, match="no solvable games"):
-        envs.make_env("alfworld", data_dir=str(tmp_path))
+        envs.make_env("alfworld", data_dir=str(tmp_path)).tasks
     with pytest.raises(ValueError, match="valid_seen"):
         envs.make_env("alfworld", split="valid_seen", data_dir=str(tmp_path))
     with pytest.raises(ValueError, match="'alfworld' or 'webshop'"):
