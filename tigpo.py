@@ -280,8 +280,9 @@ class GraphMemory:
         """E10: H_x <- H_x u {valid transitions of G_x}. Invalid actions and self-loops are not
         stored *(choice)*; the success edge of a won trajectory's last step is, when that step
         was valid."""
-        for g, group in enumerate(groups):
+        for g, group in enumerate(groups):   # check everything first: a bad group adds nothing
             _check_trajs(group, g)
+        for group in groups:
             for traj in group["trajs"]:
                 self._insert(group["task"],
                              zip(traj["states"], _next_states(traj), traj["valid"]))
@@ -407,6 +408,8 @@ class RevisitScheduler:
 
     def record(self, update, groups):
         """Queue this update's exploration groups with their detached scores Z_E (E8, E11)."""
+        for g, group in enumerate(groups):
+            _check_trajs(group, g)
         for group in groups:
             if group.get("kind", "explore") == "explore":
                 self.queue.append(

@@ -250,6 +250,13 @@ def test_e10_memory_stores_valid_transitions_without_self_loops():
     assert memory.stats() == {"tasks": 1, "nodes": 4, "edges": 3}   # s0, s1, s3, SUCCESS
 
 
+def test_memory_add_checks_every_group_before_storing_any():
+    memory = GraphMemory()
+    with pytest.raises(ValueError, match="group 1 .*empty"):
+        memory.add([chain_group("x", "a", "b"), group("y", [])])
+    assert memory.stats() == {"tasks": 0, "nodes": 0, "edges": 0}
+
+
 def test_memory_stats_hit_rates():
     memory = GraphMemory()
     memory.add([group("x", [traj(["s0", "s1", "s2"])])])   # nodes s0, s1, s2
