@@ -181,7 +181,7 @@ def _anchor_stats(trajs, returns, norm, eps):
     for traj, row in zip(trajs, returns):
         for s, q in zip(traj["states"], row):
             anchors[s].append(q)
-    # A lone state (common: most states are left once) skips the call: (q - q) / 1.0 = 0.
+    # A lone state skips the call: (q - q) / 1.0 is exactly 0.
     return {s: (b[0], 1.0) if len(b) == 1 else _norm_stats(b, norm, eps)
             for s, b in anchors.items()}
 
