@@ -206,8 +206,8 @@ def compute_advantages(groups, algo="tigpo", memory=None, *, success_reward=10.0
     batch, explore and revisit alike. `memory` (a GraphMemory, or None for an empty one) is read
     by tigpo only and never written: call memory.add(groups) after the update (E10). Inputs are
     never mutated. A trajectory with no action gets an empty step list. Raises ValueError on an
-    unknown algo or norm, an empty group, ragged states/valid, or a revisit group without
-    ref_scores."""
+    unknown algo or norm, an empty group, ragged states/valid, or a revisit group whose
+    ref_scores are missing, None or empty (for every algo)."""
     _check_groups(groups, algo, norm)
     if memory is not None and not isinstance(memory, GraphMemory):
         raise ValueError(f"memory must be a GraphMemory or None, got {type(memory).__name__}")
