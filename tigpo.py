@@ -328,7 +328,7 @@ class GraphMemory:
         task that reached it) and edges. With `groups` (call it before add), also task_hit_rate,
         the fraction of those groups whose task is stored, and state_hit_rate, the fraction of
         their current source states s_{i,t} (every step counts) already a node of that task's
-        stored graph; each is 0.0 when there is nothing to count. Costs O(edges of the tasks)."""
+        stored graph; each is 0.0 when there is nothing to count. Costs O(stored edges)."""
         out = {"tasks": len(self.order), "nodes": sum(len(self._nodes(t)) for t in self.order),
                "edges": sum(len(o) for o in self.order.values())}
         if groups is not None:
