@@ -3,7 +3,7 @@ TIGPO's ablations (DESIGN.md E1-E11) trained on a synthetic long-horizon task fa
 softmax policy, using the SAME tigpo.compute_advantages / GraphMemory / RevisitScheduler as train.py.
 
     python bench/credit.py --quick     # < 2 min: one row per method, the K=4 column of the table
-    python bench/credit.py             # the full table, K in {2, 4, 8} x 5 seeds, and bench/credit.png
+    python bench/credit.py             # full table, K in {2, 4, 8} x 5 seeds, and bench/credit.png
 
 What it isolates: only the advantage estimator and the schedule change between methods. The
 policy is a table of logits per (task, state); there is no language model, no generalisation
@@ -189,6 +189,9 @@ def success_probability(task, theta_rows, cfg):
 # ---------------------------------------------------------------------------------------------
 
 def train_run(method, k, seed, cfg):
+    """Train a fresh tabular policy on the seed's task set with one method; B = rollouts / K groups
+    per update. Per update: plan (E11) -> K rollouts per group -> compute_advantages (E1-E9) ->
+    policy gradient -> memory.add (E10) -> scheduler.record (E11), exactly the order of DESIGN.md."""
     spec = METHODS[method]
     if cfg.rollouts % k:
         raise ValueError(f"--rollouts {cfg.rollouts} is not a multiple of K={k}: the budget B*K "
@@ -238,7 +241,7 @@ def train_run(method, k, seed, cfg):
             hits = memory.stats(groups)  # before add: was this batch's task / state already stored?
             task_hits.append(hits["task_hit_rate"])
             state_hits.append(hits["state_hit_rate"])
-            memory.add(groups)  # E10, after the update as in train.py
+            memory.add(groups)  # E10: after the update, so this batch never reads its own edges
         scheduler.record(update, groups)
         train_seconds += time.perf_counter() - start
         if (update + 1) % cfg.eval_every == 0 or update + 1 == cfg.updates:
@@ -263,7 +266,8 @@ def updates_to(curve, level=0.5):
 
 
 def mean_std(values):
-    return f"{statistics.fmean(values):.3f} ± {statistics.stdev(values) if len(values) > 1 else 0.0:.3f}"
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.fmean(values):.3f} ± {std:.3f}"
 
 
 def summarize(results, methods, ks, label_k=True):
@@ -311,13 +315,14 @@ def plot(results, methods, ks, rollouts, path):
             mean = [statistics.fmean(p) for p in per_point]
             err = [statistics.stdev(p) / math.sqrt(len(p)) if len(p) > 1 else 0.0 for p in per_point]
             line, = ax.plot(xs, mean, label=method, linestyle="--" if "-" in method else "-")
-            ax.fill_between(xs, [m - e for m, e in zip(mean, err)], [m + e for m, e in zip(mean, err)],
-                            color=line.get_color(), alpha=0.15)
+            ax.fill_between(xs, [m - e for m, e in zip(mean, err)],
+                            [m + e for m, e in zip(mean, err)], color=line.get_color(), alpha=0.15)
         ax.set_title(f"K = {k} (B·K = {rollouts} rollouts/update)")
         ax.set_xlabel("update")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("train success (sampling policy, exact)")
-    axes[0][0].legend(fontsize=8)
+    num_seeds = len({r["seed"] for r in results})
+    axes[0][0].legend(fontsize=8, title=f"mean ± s.e. over {num_seeds} seeds", title_fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"plot written to {path}")
@@ -373,7 +378,8 @@ def main(argv=None):
         parser.error(f"K={bad_ks} does not divide --rollouts {cfg.rollouts}: the budget B*K must be "
                      "the same for every K; pick K among the divisors of --rollouts")
     seeds = range(args.seeds)
-    plot_path = args.plot or (None if args.quick else os.path.join(os.path.dirname(__file__), "credit.png"))
+    default_plot = os.path.join(os.path.dirname(os.path.abspath(__file__)), "credit.png")
+    plot_path = args.plot or (None if args.quick else default_plot)
 
     print(f"config: {cfg}")
     print(f"env: {env_steps_per_second(cfg):,.0f} steps/s (pure Python, uniform random actions)")

@@ -9,7 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "credit.py")
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PATH = os.path.join(_ROOT, "bench", "credit.py")
 _spec = importlib.util.spec_from_file_location("credit_bench", _PATH)
 credit = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(credit)
