@@ -97,3 +97,36 @@ def test_quick_style_table_has_one_sane_row_per_method(capsys):
         assert (cells[5] == "—") != uses_memory
         if uses_memory:
             assert all(0.0 <= float(x) <= 1.0 for x in cells[5].split(" / "))
+
+
+def test_each_method_is_wired_to_the_shared_core(monkeypatch):
+    """The benchmark must call tigpo.compute_advantages itself (no private copy), with each
+    method's algo, memory, schedule and cross_temporal switch."""
+    calls = []
+    real = credit.tigpo.compute_advantages
+
+    def spy(groups, algo, memory, **kw):
+        calls.append((algo, memory is not None, kw["cross_temporal"],
+                      {g["kind"] for g in groups}))
+        return real(groups, algo, memory, **kw)
+
+    # The issue's definitions: baselines explore only; the ablations are tigpo with 0 revisit
+    # slots (persistent graph alone) and tigpo with cross_temporal=False.
+    assert credit.METHODS["tigpo-graph-only"] == dict(credit.METHODS["tigpo"], revisit=False)
+    assert credit.METHODS["tigpo-no-ct"] == dict(credit.METHODS["tigpo"], cross_temporal=False)
+    assert credit.METHODS["tigpo"] == dict(algo="tigpo", memory=True, revisit=True,
+                                           cross_temporal=True)
+    for base in ("grpo", "gigpo", "graphgpo"):
+        assert credit.METHODS[base]["algo"] == base
+        assert not credit.METHODS[base]["memory"] and not credit.METHODS[base]["revisit"]
+    monkeypatch.setattr(credit.tigpo, "compute_advantages", spy)
+    cfg = replace(TINY, updates=8, delay=2)
+    for method, spec in credit.METHODS.items():
+        calls.clear()
+        credit.train_run(method, 2, 0, cfg)
+        assert len(calls) == cfg.updates
+        assert {c[0] for c in calls} == {spec["algo"]}
+        assert {c[1] for c in calls} == {spec["memory"]}
+        assert {c[2] for c in calls} == {spec["cross_temporal"]}
+        kinds = set().union(*(c[3] for c in calls))
+        assert kinds == ({"explore", "revisit"} if spec["revisit"] else {"explore"}), method
