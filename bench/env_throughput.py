@@ -79,8 +79,9 @@ def main():
     data_dir = args.data_dir
     if data_dir is None:
         data_dir = tempfile.mkdtemp(prefix="tigpo-bench-")
-        t = time.perf_counter()
-        envs.generate_alfworld(data_dir, num_train=6, num_eval=0, seed=args.seed)
+        t = time.perf_counter()   # in a subprocess: generating here would warm our memo of the games
+        subprocess.run([sys.executable, os.path.join(ROOT, "envs.py"), "generate", data_dir, "--num-train", "6",
+                        "--num-eval", "0", "--seed", str(args.seed)], check=True, capture_output=True)
         print(f"generated 6 games in {time.perf_counter() - t:.1f} s -> {data_dir}")
 
     # 1. stock, in a clean process (our parse memo is process-wide and must not help it)
