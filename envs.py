@@ -328,8 +328,9 @@ def generate_alfworld(out_dir, num_train=DEFAULT_NUM_TRAIN, num_eval=DEFAULT_NUM
 # Parallel env pool (DESIGN.md "Parallel envs"). Each worker is a plain `python envs.py worker`
 # subprocess speaking one JSON line per request on its stdin/stdout: no fork of a parent that
 # holds torch threads, no re-import of the trainer's __main__ (multiprocessing's spawn would run
-# a top-level train.py script again). Env slot j of a batch lives on worker j % num_workers; every
-# env is deterministic on its own, so results do not depend on num_workers.
+# a top-level train.py script again). Slots are dealt to workers in contiguous blocks, so the K
+# rollouts of one task (adjacent in a batch) share a worker and its memo of the translated game;
+# every env is deterministic on its own, so results do not depend on num_workers.
 # ---------------------------------------------------------------------------------------------
 class EnvPool:
     """B envs stepped in num_workers processes. reset(tasks) -> (obs, infos), one env per task;
@@ -349,7 +350,7 @@ class EnvPool:
             make_env(name)  # raises the ValueError naming the choices
         self.name, self.kwargs, self.num_workers = name, make_env_kwargs, num_workers
         self._procs = [None] * num_workers
-        self._dones = []
+        self._dones, self._owner = [], []      # per slot of the last reset: done flag, worker
         # runs on close(), when the pool is garbage-collected, and at interpreter exit
         self._finalizer = weakref.finalize(self, EnvPool._kill_all, self._procs)
 
@@ -395,7 +396,8 @@ class EnvPool:
         for w in range(self.num_workers):
             if self._procs[w] is None or self._procs[w].poll() is not None:
                 self._start(w)
-        requests = {w: {"cmd": "reset", "tasks": {j: t for j, t in enumerate(tasks) if j % self.num_workers == w}}
+        self._owner = [j * self.num_workers // max(len(tasks), 1) for j in range(len(tasks))]
+        requests = {w: {"cmd": "reset", "tasks": {j: t for j, t in enumerate(tasks) if self._owner[j] == w}}
                     for w in range(self.num_workers)}
         replies = self._round(requests)
         obs, infos = [None] * len(tasks), [None] * len(tasks)
@@ -418,7 +420,7 @@ class EnvPool:
         requests = {}
         for j, action in enumerate(actions):
             if action is not None and not self._dones[j]:
-                requests.setdefault(j % self.num_workers, {"cmd": "step", "actions": {}})["actions"][j] = action
+                requests.setdefault(self._owner[j], {"cmd": "step", "actions": {}})["actions"][j] = action
         obs, rewards = [None] * len(actions), [0.0] * len(actions)
         dones, infos = list(self._dones), [{} for _ in actions]
         for w, reply in self._round(requests).items():

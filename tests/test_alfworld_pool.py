@@ -72,15 +72,15 @@ def test_crashed_game_and_killed_worker_end_only_their_episodes(alfworld_data, t
     obs, infos = pool.reset(tasks[:4])
     assert "error" in infos[0] and all("error" not in i for i in infos[1:])
     pids = pool.pids
-    os.kill(pids[1], signal.SIGKILL)      # worker 1 holds slots 1 and 3
+    os.kill(pids[1], signal.SIGKILL)      # worker 1 holds slots 2 and 3 (contiguous blocks)
     while alive(pids[1]):
         time.sleep(0.05)
     obs, rewards, dones, infos = pool.step(["look"] * 4)
-    assert dones == [True, True, False, True] and rewards == [0.0] * 4
-    assert infos[0] == {} and "died" in infos[1]["error"] and "died" in infos[3]["error"]
-    assert infos[2]["valid"] and "error" not in infos[2]
+    assert dones == [True, False, True, True] and rewards == [0.0] * 4
+    assert infos[0] == {} and "died" in infos[2]["error"] and "died" in infos[3]["error"]
+    assert infos[1]["valid"] and "error" not in infos[1]
     obs, rewards, dones, infos = pool.step(["look"] * 4)   # ended episodes are not stepped
-    assert obs[1] is None and infos[1] == {} and dones[1] and not dones[2]
+    assert obs[2] is None and infos[2] == {} and dones[2] and not dones[1]
     obs, infos = pool.reset(tasks[1:4])                    # the batch goes on, worker restarted
     assert all("error" not in i for i in infos) and pool.pids[1] not in (None, pids[1])
     with pytest.raises(envs.TaskError):
