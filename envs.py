@@ -453,12 +453,16 @@ class EnvPool:
                     proc.stdin.flush()
                     proc.wait(timeout=5)
                 except (BrokenPipeError, OSError, subprocess.TimeoutExpired):
-                    pass   # dead pipe or slow exit: the kill below ends it either way
+                    proc.kill()
             EnvPool._kill(proc)
             procs[i] = None
 
     def close(self):
         self._finalizer()
+
+
+class _Fatal(Exception):
+    """A worker-side error that is the caller's bug: sent back and raised in the parent."""
 
 
 def _worker(name, kwargs):
@@ -474,6 +478,8 @@ def _worker(name, kwargs):
         results = {}
         try:
             if msg["cmd"] == "reset":
+                for j in [j for j in envs if j not in msg["tasks"]]:
+                    envs.pop(j).close()          # a slot now owned by another worker
                 for j, task in msg["tasks"].items():
                     if j not in envs:
                         try:
@@ -500,10 +506,6 @@ def _worker(name, kwargs):
         out.flush()
     for env in envs.values():
         env.close()
-
-
-class _Fatal(Exception):
-    pass
 
 
 if __name__ == "__main__":
