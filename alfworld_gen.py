@@ -270,7 +270,7 @@ def generate(out_dir, num_train=24, num_eval=6, seed=0, verify=True, progress=No
     grammar = open(GRAMMAR_FILE).read()
     domain = open(DOMAIN_FILE).read()
     root = os.path.join(out_dir, "json_2.1.1")
-    written = []
+    written, player = [], None   # one env replays every walkthrough (see AlfWorldGame.load)
     for split, count in (("train", num_train), ("valid_seen", num_eval), ("valid_unseen", num_eval)):
         rng = random.Random(f"{seed}-{split}")
         scenes = _scenes(split)
@@ -311,27 +311,32 @@ def generate(out_dir, num_train=24, num_eval=6, seed=0, verify=True, progress=No
             with open(os.path.join(game_dir, "traj_data.json"), "w") as f:
                 json.dump(traj, f, indent=1)
             if verify:
-                _verify(envs, path, game["walkthrough"])
+                player = _verify(envs, player, path, game["walkthrough"])
             written.append(path)
             made += 1
             if progress:
                 progress(split, made, count)
+    if player is not None:
+        player.close()
     return written
 
 
-def _verify(envs, path, plan):
-    env = envs.AlfWorldGame(path, max_steps=len(plan) + 1)
-    try:
-        env.reset()
-        for i, command in enumerate(plan):
-            _, _, done, info = env.step(command)
-            if not info["valid"]:
-                raise RuntimeError(f"generator bug: walkthrough step {i} {command!r} is not "
-                                   f"admissible in {path}")
-        if not info["won"]:
-            raise RuntimeError(f"generator bug: walkthrough does not win {path}")
-    finally:
-        env.close()
+def _verify(envs, player, path, plan):
+    """Play the walkthrough through envs.py's env: every step admissible, the last one wins."""
+    if player is None:
+        player = envs.AlfWorldGame(path)
+    else:
+        player.load(path)
+    player.max_steps = len(plan) + 1
+    player.reset()
+    for i, command in enumerate(plan):
+        _, _, done, info = player.step(command)
+        if not info["valid"]:
+            raise RuntimeError(f"generator bug: walkthrough step {i} {command!r} is not "
+                               f"admissible in {path}")
+    if not info["won"]:
+        raise RuntimeError(f"generator bug: walkthrough does not win {path}")
+    return player
 
 
 def main(argv=None):

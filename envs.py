@@ -147,6 +147,13 @@ class AlfWorldGame:
         self._tw = textworld.start(gamefile, infos, wrappers=[AlfredDemangler(shuffle=False), AlfredInfos])
         self._state, self._steps, self.done = None, 0, True
 
+    def load(self, gamefile):
+        """Switch to another game file, keeping this env's copy of the fast-downward library
+        (each textworld PDDL env copies the 33 MB libdownward.so and loads it for good, so a new
+        env per task would leak). The stock gym env also reloads games into the same env."""
+        self._tw.load(gamefile)
+        self.gamefile, self._state, self._steps, self.done = gamefile, None, 0, True
+
     def _admissible(self):
         # "help" only prints the command list: never a useful move, so it is not offered
         return [a for a in self._state["admissible_commands"] if a != "help"]
@@ -188,8 +195,12 @@ class AlfWorldGame:
 
     def close(self):
         if self._tw is not None:
+            # textworld never frees its library copy: free the planner state at least. Trap: do
+            # not dlclose it (fast_downward.close_lib): the process then segfaults at exit.
+            lib = self._tw.unwrapped.downward_lib
             self._tw.close()
             self._tw = None
+            lib.cleanup()
 
 
 def _cache_dir():
@@ -288,10 +299,11 @@ class AlfWorldEnv:
         path = os.path.join(self.root, task)
         if not task.endswith("game.tw-pddl") or ".." in task.split("/") or not os.path.isfile(path):
             raise TaskError(f"unknown ALFWorld task {task!r} under {self.root}: pick one of env.tasks")
-        if task != self._task:   # loading translates the PDDL twice: reuse the game when we can
-            self.close()
+        if self._game is None:
             self._game = AlfWorldGame(path, self.max_steps, self.state_key)
-            self._task = task
+        elif task != self._task:   # loading translates the PDDL twice: skipped for the same task
+            self._game.load(path)
+        self._task = task
         obs, info = self._game.reset()
         with open(os.path.join(os.path.dirname(path), "traj_data.json")) as f:
             task_type = alfworld_gen.SHORT_TYPE.get(json.load(f).get("task_type"))

@@ -170,3 +170,20 @@ def test_generator_is_deterministic_for_a_seed(tmp_path):
     assert [os.path.relpath(p, tmp_path / "c") for p in other] != [f for f, _ in files[0]]
     seen = {p.split("/")[2].rsplit("-", 1)[1] for p, _ in files[0] if "/valid_unseen/" in "/" + p}
     assert seen and all(int(s) in alfworld_gen.C.TEST_SCENE_NUMBERS for s in seen)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
+def test_switching_tasks_reuses_one_planner_library(alfworld_data):
+    # every textworld PDDL env maps its own 33 MB copy of libdownward.so for good: one env per
+    # task would leak one copy per reset
+    def copies():
+        with open("/proc/self/maps") as f:
+            return sum("libdownward" in line for line in f)
+    env = envs.make_env("alfworld", split="train", data_dir=alfworld_data)
+    env.reset(env.tasks[0])
+    after_one = copies()
+    for task in env.tasks[1:]:
+        env.reset(task)
+        env.step("look")
+    assert copies() == after_one
+    env.close()
