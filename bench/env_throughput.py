@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -77,7 +78,7 @@ def main():
 
     import envs
     data_dir = args.data_dir
-    if data_dir is None:
+    if data_dir is None:   # removed at the end
         data_dir = tempfile.mkdtemp(prefix="tigpo-bench-")
         t = time.perf_counter()   # in a subprocess: generating here would warm our memo of the games
         subprocess.run([sys.executable, os.path.join(ROOT, "envs.py"), "generate", data_dir, "--num-train", "6",
@@ -138,6 +139,8 @@ def main():
     print(f"observation or admissible-list mismatches vs stock: {mismatches} "
           f"(over {ours['steps'] + len(records)} observations)")
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} (other processes slow all rows)")
+    if args.data_dir is None:
+        shutil.rmtree(data_dir)
 
 
 if __name__ == "__main__":
