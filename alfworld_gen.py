@@ -61,8 +61,10 @@ def load_scene(num, rng):
     layout's receptacle file; types the layout lists without a position get one instance at a
     layout point), the pickable object types present, and the lamps."""
     prefix = os.path.join(LAYOUTS, f"FloorPlan{num}")
-    types = json.load(open(prefix + "-objects.json"))
-    placed = json.load(open(prefix + "-openable.json"))
+    with open(prefix + "-objects.json") as f:
+        types = json.load(f)
+    with open(prefix + "-openable.json") as f:
+        placed = json.load(f)
     points = [tuple(p) for p in np.load(prefix + "-layout.npy").tolist()]
     receps = []
     for rid, (x, z, rot, hor) in sorted(placed.items()):
@@ -267,8 +269,10 @@ def generate(out_dir, num_train=24, num_eval=6, seed=0, verify=True, progress=No
     import envs  # lazy: envs imports this module
     if num_train < 0 or num_eval < 0:
         raise ValueError("generate: num_train and num_eval must be >= 0")
-    grammar = open(GRAMMAR_FILE).read()
-    domain = open(DOMAIN_FILE).read()
+    with open(GRAMMAR_FILE) as f:
+        grammar = f.read()
+    with open(DOMAIN_FILE) as f:
+        domain = f.read()
     root = os.path.join(out_dir, "json_2.1.1")
     written, player = [], None   # one env replays every walkthrough (see AlfWorldGame.load)
     for split, count in (("train", num_train), ("valid_seen", num_eval), ("valid_unseen", num_eval)):
