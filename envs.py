@@ -241,7 +241,8 @@ def resolve_alfworld_data(data_dir=None, seed=0, num_train=DEFAULT_NUM_TRAIN, nu
 @functools.lru_cache(maxsize=None)
 def alfworld_tasks(root, split):
     """Sorted task keys ("<split>/<folder>/<trial>/game.tw-pddl") of a split, filtered as
-    AlfredTWEnv filters: the six task types, no movable/sliced variants, solvable games only."""
+    AlfredTWEnv filters: the six task types, no movable/sliced variants, no game marked
+    unsolvable."""
     split_dir = os.path.join(root, split)
     if not os.path.isdir(split_dir):
         raise ValueError(f"ALFWorld data folder {root} has no {split}/ split (have "
@@ -257,7 +258,7 @@ def alfworld_tasks(root, split):
             if json.load(f).get("task_type") not in alfworld_gen.SHORT_TYPE:
                 continue
         with open(os.path.join(folder, "game.tw-pddl")) as f:
-            if not json.load(f).get("solvable", False):
+            if json.load(f).get("solvable") is False:   # (AlfredTWEnv also drops games without the key)
                 continue
         keys.append(os.path.relpath(os.path.join(folder, "game.tw-pddl"), root).replace(os.sep, "/"))
     if not keys:
