@@ -65,7 +65,7 @@ def parse_action(reply):
 ALFWORLD_TASK_TYPES = tuple(alfworld_gen.TASK_TYPES)   # pick, look, clean, heat, cool, pick2
 SUCCESS_REWARD = 10.0                                  # C of DESIGN.md E6: 10 on a win, else 0
 SPLITS = ("train", "valid_seen", "valid_unseen")
-DEFAULT_NUM_TRAIN, DEFAULT_NUM_EVAL = 24, 6            # generated default: ~35 s of CPU, once
+DEFAULT_NUM_TRAIN, DEFAULT_NUM_EVAL = 24, 6            # generated default: ~25 s on one core, once
 BANNER = "-= Welcome to TextWorld, ALFRED! =-"
 NOTHING = "Nothing happens."                           # textworld's answer to a non-admissible command
 # Left out of the "facts" key: bookkeeping no precondition or goal reads (look/examine mark things
