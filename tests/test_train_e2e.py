@@ -70,8 +70,10 @@ def tiny_model(tmp_path_factory):
 
 
 def run_train(*argv, check=True):
+    # One thread: on a shared 2-core machine OpenMP threads of the tiny model spin against each
+    # other and generation runs ~10x slower than single-threaded.
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *argv], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py {' '.join(argv)} failed:\n{proc.stderr[-3000:]}")
     return proc
@@ -163,7 +165,8 @@ def test_resume_matches_the_uninterrupted_run(runs, tiny_model, alfworld_data, t
     """Run A (fixture, 2 updates, with eval) vs run B: 1 update, then --resume to 2. At update 2
     B must hold A's graph memory, revisit queue, RNG states, weights, and rollout metrics."""
     run_dir = str(tmp_path / "b")
-    common = ["--model", tiny_model, "--data-dir", alfworld_data, "--run-dir", run_dir, *TINY]
+    common = ["--model", tiny_model, "--data-dir", alfworld_data, "--run-dir", run_dir, *TINY,
+              "--minibatch-size", "5"]    # the flags of run A, less its eval
     run_train("--updates", "1", *common)
     proc = run_train("--resume", "--updates", "2", "--run-dir", run_dir, "--dump-advantages")
     assert "resumed from" in proc.stdout
