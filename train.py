@@ -481,6 +481,8 @@ def make_pool(args, split):
           dict(url=args.webshop_url, split=split, max_steps=args.max_steps, seed=args.seed))
     env = envs.make_env(args.env, **kw)
     tasks = list(env.tasks)
+    if args.env == "webshop":
+        env.reset(tasks[0])       # fail here, clearly, when no server answers at --webshop-url
     env.close()
     return envs.EnvPool(args.env, args.num_env_workers, **kw), tasks
 
@@ -532,8 +534,15 @@ def run(args, resuming):
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
 
+    try:       # the environment first: a bad data dir fails before minutes of model loading
+        pool, train_tasks = make_pool(args, "train")
+    except (ValueError, OSError, RuntimeError) as e:   # a broken data dir, no WebShop server
+        raise UsageError(f"cannot start the {args.env} environment: {e}") from e
+
     model, tok, source = load_model(args.model)
     print(f"model {args.model} loaded from {source}")
+    if not tok.chat_template:
+        raise UsageError(f"--model {args.model} has no chat template (a base model?): use an instruct model")
     tok.padding_side = "left"           # batched generation appends after the prompt
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -551,10 +560,6 @@ def run(args, resuming):
         model.gradient_checkpointing_enable()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
-    try:
-        pool, train_tasks = make_pool(args, "train")
-    except (ValueError, OSError) as e:      # a broken data dir, an unreachable WebShop server
-        raise UsageError(f"cannot start the {args.env} environment: {e}") from e
     memory = tigpo.GraphMemory(max_edges_per_task=args.max_edges_per_task)
     scheduler = tigpo.RevisitScheduler(train_tasks, args.num_groups, args.revisit_groups, args.revisit_delay,
                                        seed=args.seed)
