@@ -212,7 +212,8 @@ def test_bad_choices(capsys, tmp_path, flag, value):
 
 def test_bad_model_data_dir_and_run_dir(capsys, tmp_path, tiny_model, alfworld_data, runs):
     run_dir = str(tmp_path / "r")
-    assert "--model" in main_error(capsys, "--model", str(tmp_path / "no-such-model"), "--run-dir", run_dir)
+    assert "--model" in main_error(capsys, "--model", str(tmp_path / "no-such-model"), "--data-dir", alfworld_data,
+                                   "--run-dir", run_dir)
     assert "--data-dir" in main_error(capsys, "--model", tiny_model, "--data-dir", str(tmp_path / "nope"),
                                       "--run-dir", run_dir)
     (tmp_path / "empty").mkdir()
