@@ -74,6 +74,7 @@ class Args:
     data_dir: Optional[str] = arg(None, "ALFWorld data (folder holding json_2.1.1); default "
                                   "$ALFWORLD_DATA, else generated games", str)
     webshop_url: str = arg("http://127.0.0.1:3000", "WebShop Flask server")
+    webshop_goals: int = arg(12087, "fixed goals the WebShop server has (0-499 test, 500+ train)")
     num_env_workers: Optional[int] = arg(None, "env worker processes (preset)", int)
     # advantage (E1-E9)
     norm: str = arg("mean_std", "E1/E3 normalisation; mean = GiGPO 'w/o std'", choices=("mean_std", "mean"))
@@ -164,6 +165,7 @@ def parse_args(argv):
                 raise UsageError(f"--resume: --{k.replace('_', '-')} {v} differs from the saved run "
                                  f"({saved.get(k)}); drop the flag or start a new --run-dir")
         args = Args(**{**saved, **{k: v for k, v in explicit.items() if k in RESUMABLE}, "run_dir": run_dir})
+        print(f"resuming {run_dir} with the settings of its config.json (preset {args.preset})")
         return args, True
     # Resolve the preset, then environment defaults: a value is set once, explicit flags win.
     cuda = torch.cuda.is_available() and args.device != "cpu"
@@ -485,7 +487,8 @@ def make_pool(args, split):
     (cheap: it lists games), the episodes run in the pool's worker processes."""
     kw = (dict(split=split, data_dir=args.data_dir, max_steps=args.max_steps, state_key=args.state_key,
                seed=args.seed) if args.env == "alfworld" else
-          dict(url=args.webshop_url, split=split, max_steps=args.max_steps, seed=args.seed))
+          dict(url=args.webshop_url, split=split, max_steps=args.max_steps, seed=args.seed,
+               num_goals=args.webshop_goals))
     env = envs.make_env(args.env, **kw)
     tasks = list(env.tasks)
     if args.env == "webshop":
@@ -561,8 +564,8 @@ def run(args, resuming):
     # fp32 master weights on every device: at lr 1e-6 bf16 weights do not move (the step is below
     # bf16 resolution); the forward runs under bf16 autocast on CUDA instead.
     model.to(device).eval()
-    if ref_model is not None:
-        ref_model.to(device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if ref_model is not None:   # fp32 too: a bf16 copy would differ from pi_theta at update 1 (KL > 0)
+        ref_model.to(device)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -633,7 +636,7 @@ def run(args, resuming):
         t0 = time.time()
         model.train(args.gradient_checkpointing)   # HF checkpoints only in train mode; no dropout either way
         order = torch.randperm(len(samples)).tolist()
-        mb_size = args.minibatch_size or len(samples)
+        mb_size = args.minibatch_size or max(len(samples), 1)   # no samples (every game crashed): no step
         # pi_old: one no-grad pass before the first step. With a single optimizer step per batch
         # pi_old IS the current policy, so its log-probs are the same numbers as the update's own
         # forward (detached): the pass is skipped, saving a third of the update time on CPU.
@@ -735,9 +738,11 @@ def run(args, resuming):
         if wandb:
             wandb.log(numeric, step=update)
         kl = f"{metrics['kl']:.4f}" if metrics["kl"] is not None else "-"
+        evals = "".join(f" | {k[5:-13]} {v:.2f}" for k, v in metrics.items()
+                        if k.startswith("eval/") and k.endswith("/success_rate"))
         tqdm.write(f"update {update}/{args.updates} | success {metrics['success_rate']:.2f} | score "
                    f"{metrics['mean_score']:.2f} | valid {metrics['valid_action_ratio']:.2f} | KL {kl} | "
-                   f"revisits {metrics['revisits']} | {rollout_s + adv_s + update_s:.1f}s")
+                   f"revisits {metrics['revisits']} | {rollout_s + adv_s + update_s:.1f}s{evals}")
 
         # ------------------------------------------------------------------------ checkpoint
         if update % args.save_every == 0 or update == args.updates:

@@ -25,7 +25,8 @@ REPLIES = ["<action>look</action>", "<action>inventory</action>", "<action>go to
            "<action>go to drawer 1</action>", "<action>go to countertop 1</action>",
            "<action>go to fridge 1</action>", "<action>go to sidetable 1</action>",
            "<action>go to shelf 1</action>", "<action>go to desk 1</action>",
-           "<action>take mug 1</action>", "I am not sure."]
+           "<action>take mug 1</action>", "<action>search[running shoes]</action>",
+           "<action>click[b000shoe01]</action>", "I am not sure."]
 TINY = ["--num-groups", "2", "--group-size", "2", "--max-steps", "4", "--max-new-tokens", "16",
         "--num-env-workers", "1", "--revisit-delay", "1", "--save-every", "1", "--keep-checkpoints", "0",
         "--dump-advantages"]
@@ -229,3 +230,19 @@ def test_bad_model_data_dir_and_run_dir(capsys, tmp_path, tiny_model, alfworld_d
     assert before == {f: open(os.path.join(existing, f), "rb").read() for f in before}
     assert main_error(capsys, "--algo", "grpo", "--revisit-groups", "2", "--run-dir", run_dir)
     assert not os.path.exists(run_dir)
+
+
+def test_webshop_run_against_the_test_server(tiny_model, tmp_path):
+    """--env webshop end to end against tests/webshop_server.py (a thread of this process)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from webshop_server import WebShopTestServer
+    run_dir = str(tmp_path / "ws")
+    with WebShopTestServer(num_goals=520) as server:
+        run_train("--env", "webshop", "--webshop-url", server.url, "--webshop-goals", "520",
+                  "--model", tiny_model, "--updates", "1", "--run-dir", run_dir, *TINY)
+    (metrics,) = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert "success/webshop" in metrics and metrics["num_samples"] > 0
+    with open(os.path.join(run_dir, "config.json")) as fh:
+        assert json.load(fh)["graph_gamma"] == 0.20          # WebShop's gamma_g (DESIGN.md E6)
+    with open(os.path.join(run_dir, "trajectories.txt")) as fh:
+        assert "webshop/" in fh.read()
