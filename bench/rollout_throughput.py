@@ -75,14 +75,16 @@ def main():
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    chats = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-             for q in step_prompts(args.prompts)]
+    chats = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                     add_generation_prompt=True) for q in step_prompts(args.prompts)]
     n_tok = args.prompts * args.new_tokens
     print(f"model {args.model} ({source}), {device.type}, {torch.get_num_threads()} threads, "
-          f"{args.prompts} prompts of ~{len(tok(chats[0]).input_ids)} tokens, {args.new_tokens} new tokens each")
+          f"{args.prompts} prompts of ~{len(tok(chats[0]).input_ids)} tokens, "
+          f"{args.new_tokens} new tokens each")
 
     timed_generate(model, tok, chats[:1], 4, device)            # warm-up (allocator, kernels)
-    batched_s, batched_prefill, prompt_ids, responses = timed_generate(model, tok, chats, args.new_tokens, device)
+    batched_s, batched_prefill, prompt_ids, responses = timed_generate(model, tok, chats, args.new_tokens,
+                                                                       device)
     singles = [timed_generate(model, tok, [c], args.new_tokens, device)[:2] for c in chats]
     single_s, single_prefill = sum(s for s, _ in singles), sum(p for _, p in singles)
     batched_decode, single_decode = batched_s - batched_prefill, single_s - single_prefill
@@ -109,7 +111,8 @@ def main():
             ("decoding only, batched", f"{n_tok / batched_decode:.1f} tok/s", f"{batched_decode:.1f} s"),
             ("decoding only, one at a time", f"{n_tok / single_decode:.1f} tok/s", f"{single_decode:.1f} s"),
             ("decoding batched / sequential", f"{single_decode / batched_decode:.2f}x", "target >= 4x"),
-            (f"update fwd+bwd, {update_tokens} tokens", f"{update_tokens / update_s:.1f} tok/s", f"{update_s:.1f} s"),
+            (f"update fwd+bwd, {update_tokens} tokens", f"{update_tokens / update_s:.1f} tok/s",
+             f"{update_s:.1f} s"),
             ("peak RSS", f"{peak_mb:.0f} MB", "")]
     if device.type == "cuda":
         rows.append(("peak CUDA allocated", f"{torch.cuda.max_memory_allocated() / 2**20:.0f} MB", ""))

@@ -74,7 +74,8 @@ def run_train(*argv, check=True):
     # One thread: on a shared 2-core machine OpenMP threads of the tiny model spin against each
     # other and generation runs ~10x slower than single-threaded.
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *argv], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py {' '.join(argv)} failed:\n{proc.stderr[-3000:]}")
     return proc
@@ -156,7 +157,8 @@ def test_loss_sees_exactly_the_advantages_compute_advantages_returned(runs, algo
             seen[g, j, t] = a
             assert a == float(np.float32(want[g][j][t])), (g, j, t)   # bit-exact in the fp32 loss
             nonzero += a != 0.0
-        steps = {(g, j, t) for g, grp in enumerate(want) for j, traj in enumerate(grp) for t in range(len(traj))}
+        steps = {(g, j, t) for g, grp in enumerate(want) for j, traj in enumerate(grp)
+                 for t in range(len(traj))}
         assert set(seen) == steps
     if algo != "grpo":          # no success: only the step terms separate valid from invalid actions
         assert nonzero > 0
@@ -182,7 +184,8 @@ def test_resume_matches_the_uninterrupted_run(runs, tiny_model, alfworld_data, t
     from safetensors.torch import load_file
     wa, wb = (load_file(os.path.join(c, "model.safetensors")) for c in (a, b))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    ma, mb = read_jsonl(os.path.join(runs["tigpo"], "metrics.jsonl")), read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    ma = read_jsonl(os.path.join(runs["tigpo"], "metrics.jsonl"))
+    mb = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert [m["update"] for m in mb] == [1, 2]                       # appended, not overwritten
     for key in ("success_rate", "mean_score", "valid_action_ratio", "zero_adv_frac", "graph_edges",
                 "revisits", "num_samples", "loss"):
@@ -213,8 +216,8 @@ def test_bad_choices(capsys, tmp_path, flag, value):
 
 def test_bad_model_data_dir_and_run_dir(capsys, tmp_path, tiny_model, alfworld_data, runs):
     run_dir = str(tmp_path / "r")
-    assert "--model" in main_error(capsys, "--model", str(tmp_path / "no-such-model"), "--data-dir", alfworld_data,
-                                   "--run-dir", run_dir)
+    assert "--model" in main_error(capsys, "--model", str(tmp_path / "no-such-model"),
+                                   "--data-dir", alfworld_data, "--run-dir", run_dir)
     assert "--data-dir" in main_error(capsys, "--model", tiny_model, "--data-dir", str(tmp_path / "nope"),
                                       "--run-dir", run_dir)
     (tmp_path / "empty").mkdir()

@@ -42,7 +42,8 @@ def test_no_clip_where_clipping_would_help_the_objective():
     assert st["clip_frac"] == 0.0
     # rho = 0.6065 with A = +1: unclipped -0.6065 > clipped -0.8, kept, gradient flows
     logp = torch.tensor([[-0.5]], requires_grad=True)
-    loss, _ = train.policy_loss(logp, torch.zeros(1, 1), None, torch.ones(1, 1), torch.ones(1, 1), 0.2, 0.0, 1)
+    one = torch.ones(1, 1)
+    loss, _ = train.policy_loss(logp, torch.zeros(1, 1), None, one, one, 0.2, 0.0, 1)
     assert loss.item() == pytest.approx(-math.exp(-0.5))
     loss.backward()
     assert logp.grad.item() == pytest.approx(-math.exp(-0.5))
