@@ -14,9 +14,14 @@ from types import SimpleNamespace
 
 import numpy as np
 
-import alfworld
-import alfworld.gen.constants as C
-import alfworld.gen.goal_library as goal_library
+# Trap: importing alfworld sets os.environ["ALFWORLD_DATA"] to an empty ~/.cache/alfworld when the
+# user has not set it, and envs.py would then take that folder for the user's choice of data.
+_USER_ALFWORLD_DATA = os.environ.get("ALFWORLD_DATA")
+import alfworld  # noqa: E402
+import alfworld.gen.constants as C  # noqa: E402
+import alfworld.gen.goal_library as goal_library  # noqa: E402
+if _USER_ALFWORLD_DATA is None:
+    os.environ.pop("ALFWORLD_DATA", None)
 
 # short name (what tigpo reports per type) -> ALFRED task type (the folder prefix of a game)
 TASK_TYPES = {"pick": "pick_and_place_simple", "look": "look_at_obj_in_light",

@@ -187,3 +187,16 @@ def test_switching_tasks_reuses_one_planner_library(alfworld_data):
         env.step("look")
     assert copies() == after_one
     env.close()
+
+
+def test_importing_envs_does_not_invent_an_alfworld_data_folder():
+    # alfworld's own import sets ALFWORLD_DATA to an empty ~/.cache/alfworld; envs must not then
+    # mistake that for the user's data folder (the default would become a "broken folder" error).
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "ALFWORLD_DATA"}
+    code = ("import os, envs; from alfworld.agents.environment import alfred_tw_env; "
+            "print(os.environ.get('ALFWORLD_DATA'))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), check=True)
+    assert out.stdout.strip() == "None"
