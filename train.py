@@ -173,8 +173,7 @@ def parse_args(argv):
     # Resolve the preset, then environment defaults: a value is set once, explicit flags win.
     cuda = torch.cuda.is_available() and args.device != "cpu"
     preset = args.preset if args.preset != "auto" else ("paper" if cuda else "cpu")
-    for k, v in {**PRESETS[preset], **{k: v for k, v in ENV_DEFAULTS[args.env].items()
-                                       if k not in PRESETS[preset]}}.items():
+    for k, v in {**ENV_DEFAULTS[args.env], **PRESETS[preset]}.items():   # the preset beats the env
         if getattr(args, k) is None:
             setattr(args, k, v)
     why = f" (auto: {'CUDA' if cuda else 'no CUDA'} device)" if args.preset == "auto" else ""
@@ -188,6 +187,7 @@ def parse_args(argv):
     checks = [(args.num_groups >= 1, "--num-groups must be >= 1"),
               (args.group_size >= 1, "--group-size must be >= 1"),
               (0 <= args.revisit_groups <= args.num_groups, "--revisit-groups must be in [0, --num-groups]"),
+              (args.revisit_delay >= 0, "--revisit-delay must be >= 0"),
               (args.updates >= 1, "--updates must be >= 1"),
               (args.max_steps >= 1, "--max-steps must be >= 1"),
               (args.temperature > 0, "--temperature must be > 0 (E12's ratio needs a sampling distribution)"),
