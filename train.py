@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -486,6 +487,29 @@ def last_checkpoint(run_dir):
     return os.path.join(root, done[-1]) if done else None
 
 
+_TRAJ_HEADER = re.compile(r"^=== update (\d+) \| ")   # a trajectory block of trajectories.txt
+
+
+def drop_lost_updates(run_dir, start):
+    """On --resume: the log entries of updates after the checkpoint belong to work that is lost
+    (it is redone), so drop them from metrics.jsonl, advantages.jsonl and trajectories.txt."""
+    for name in ("metrics.jsonl", "advantages.jsonl", "trajectories.txt"):
+        path = os.path.join(run_dir, name)
+        if not os.path.exists(path):
+            continue
+        kept, keep = [], True
+        with open(path) as fh:
+            for line in fh:
+                if name.endswith(".jsonl"):
+                    keep = json.loads(line)["update"] <= start
+                elif _TRAJ_HEADER.match(line):
+                    keep = int(_TRAJ_HEADER.match(line).group(1)) <= start
+                if keep:
+                    kept.append(line)
+        with open(path, "w") as fh:
+            fh.writelines(kept)
+
+
 def make_pool(args, split):
     """(EnvPool, task keys) of one split. The task list comes from one env in this process
     (cheap: it lists games), the episodes run in the pool's worker processes."""
@@ -593,12 +617,8 @@ def run(args, resuming):
         print(f"resumed from {ckpt} at update {start}")
     os.makedirs(run_dir, exist_ok=True)      # nothing is written before every check above passed
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
-    if ckpt and os.path.exists(metrics_path):
-        # lines of updates after the checkpoint belong to work that is lost: they are redone
-        with open(metrics_path) as fh:
-            kept = [line for line in fh if json.loads(line)["update"] <= start]
-        with open(metrics_path, "w") as fh:
-            fh.writelines(kept)
+    if ckpt:
+        drop_lost_updates(run_dir, start)
     with open(os.path.join(run_dir, "config.json"), "w") as fh:
         json.dump(dataclasses.asdict(args), fh, indent=1)
     tb = wandb = None

@@ -192,6 +192,20 @@ def test_resume_matches_the_uninterrupted_run(runs, tiny_model, alfworld_data, t
         assert ma[1][key] == mb[1][key], key
 
 
+def test_resume_drops_the_log_entries_of_lost_updates(tmp_path):
+    """Updates logged after the checkpoint are redone on --resume: their old entries must go."""
+    for name in ("metrics.jsonl", "advantages.jsonl"):
+        (tmp_path / name).write_text("".join(json.dumps({"update": u, "x": u}) + "\n" for u in (1, 2, 3)))
+    blocks = ["=== update %d | explore | t | score 0.0 | success False\ngoal: g\n"
+              "--- step 0 | valid True | advantage +0.0000\nreply: === update 9 | looks like a header\n" % u
+              for u in (1, 2, 3)]
+    (tmp_path / "trajectories.txt").write_text("".join(blocks))
+    train.drop_lost_updates(str(tmp_path), 2)
+    for name in ("metrics.jsonl", "advantages.jsonl"):
+        assert [m["update"] for m in read_jsonl(str(tmp_path / name))] == [1, 2]
+    assert (tmp_path / "trajectories.txt").read_text() == "".join(blocks[:2])
+
+
 def test_bad_input_subprocess_one_line_nonzero_exit(tmp_path):
     proc = run_train("--algo", "ppo", "--run-dir", str(tmp_path / "x"), check=False)
     assert proc.returncode == 2
