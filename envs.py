@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import select
 import subprocess
 import sys
 import tempfile
@@ -350,9 +351,11 @@ class EnvPool:
     step(actions) -> (obs, rewards, dones, infos), actions aligned with the last reset. An action
     None means "do not step this env" (it is done or not wanted): that slot returns obs None,
     reward 0.0, its last done flag, info {}. A crashed game or a dead worker ends its episodes as
-    failures (reward 0.0, done True, info["error"]); a dead worker is restarted and the batch goes on."""
+    failures (reward 0.0, done True, info["error"]); a dead worker is restarted and the batch goes on.
+    A worker that does not answer within worker_timeout seconds (a hung game) is killed and
+    counted as dead."""
 
-    def __init__(self, name, num_workers=2, **make_env_kwargs):
+    def __init__(self, name, num_workers=2, worker_timeout=600.0, **make_env_kwargs):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if name == "alfworld":
@@ -362,6 +365,7 @@ class EnvPool:
         elif name != "webshop":
             make_env(name)  # raises the ValueError naming the choices
         self.name, self.kwargs, self.num_workers = name, make_env_kwargs, num_workers
+        self.worker_timeout = worker_timeout
         self._procs = [None] * num_workers
         self._dones, self._owner = [], []      # per slot of the last reset: done flag, worker
         # runs on close(), when the pool is garbage-collected, and at interpreter exit
@@ -389,8 +393,13 @@ class EnvPool:
             return False
 
     def _recv(self, w):
-        line = self._procs[w].stdout.readline()
-        return json.loads(line) if line else None  # EOF: the worker died mid-request
+        """The worker's reply, or None when it died mid-request (EOF) or hung past worker_timeout.
+        select on the pipe is exact here: a worker writes one line per request, so nothing is
+        ever left in the reader's buffer between requests."""
+        stdout = self._procs[w].stdout
+        ready, _, _ = select.select([stdout], [], [], self.worker_timeout)
+        line = stdout.readline() if ready else ""
+        return json.loads(line) if line else None
 
     def _round(self, requests):
         """Send {worker: msg} to all workers first (they run in parallel), then collect replies;
@@ -419,7 +428,7 @@ class EnvPool:
                 raise TaskError(f"EnvPool worker {w}: {reply['fatal']}")
             for j in requests[w]["tasks"]:
                 if reply is None:
-                    obs[j], infos[j] = "", {"error": f"env worker {w} died during reset", "won": False}
+                    obs[j], infos[j] = "", {"error": f"env worker {w} died or hung during reset", "won": False}
                 else:
                     obs[j], infos[j] = reply["results"][str(j)]
         self._dones = [bool(info.get("error")) for info in infos]
@@ -440,7 +449,8 @@ class EnvPool:
             for j in requests[w]["actions"]:
                 if reply is None:
                     obs[j], dones[j] = "", True
-                    infos[j] = {"error": f"env worker {w} died; episode ended as a failure",
+                    infos[j] = {"error": f"env worker {w} died or hung (no reply in {self.worker_timeout:g} s); "
+                                         f"episode ended as a failure",
                                 "won": False, "valid": False}
                 else:
                     obs[j], rewards[j], dones[j], infos[j] = reply["results"][str(j)]

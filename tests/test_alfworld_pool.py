@@ -90,6 +90,21 @@ def test_crashed_game_and_killed_worker_end_only_their_episodes(alfworld_data, t
     assert live and not any(alive(p) for p in live) and pool.pids == [None, None]
 
 
+def test_hung_worker_is_killed_after_the_timeout_and_the_batch_goes_on(alfworld_data):
+    pool = envs.EnvPool("alfworld", num_workers=2, worker_timeout=2.0, split="train", data_dir=alfworld_data)
+    tasks = envs.make_env("alfworld", split="train", data_dir=alfworld_data).tasks[:2]
+    pool.reset(tasks)
+    hung = pool.pids[1]
+    os.kill(hung, signal.SIGSTOP)         # worker 1 (slot 1) stops answering, as a hung game would
+    obs, rewards, dones, infos = pool.step(["look", "look"])
+    assert infos[0]["valid"] and not dones[0]
+    assert dones[1] and rewards[1] == 0.0 and "hung" in infos[1]["error"]
+    assert pool.pids[1] is None and not alive(hung)
+    obs, infos = pool.reset(tasks)        # restarted
+    assert all("error" not in i for i in infos) and pool.pids[1] not in (None, hung)
+    pool.close()
+
+
 def test_pool_rejects_unknown_env_and_misaligned_actions(alfworld_data):
     with pytest.raises(ValueError, match="'alfworld' or 'webshop'"):
         envs.EnvPool("atari")
