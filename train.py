@@ -517,10 +517,14 @@ def make_pool(args, split):
                seed=args.seed) if args.env == "alfworld" else
           dict(url=args.webshop_url, split=split, max_steps=args.max_steps, seed=args.seed,
                num_goals=args.webshop_goals))
+    if args.env == "webshop":
+        # The real server loads its products inside its first request (minutes): make that request
+        # once here, with a long timeout, before B*K workers each time out on it. No server listening
+        # fails here, clearly, within seconds.
+        import webshop
+        webshop.warm_up(args.webshop_url)
     env = envs.make_env(args.env, **kw)
     tasks = list(env.tasks)
-    if args.env == "webshop":
-        env.reset(tasks[0])       # fail here, clearly, when no server answers at --webshop-url
     env.close()
     return envs.EnvPool(args.env, args.num_env_workers, **kw), tasks
 
