@@ -1,33 +1,24 @@
-"""alfworld_gen.py: offline ALFWorld game generator (DESIGN.md "Environments"). Writes games for
+"""alfworld_gen.py: offline ALFWorld game generator (docs/ALGORITHM.md "Environments"). Writes games for
 the six ALFRED task types in the official layout, json_2.1.1/<split>/<task>-<obj>-<mrecep>-<recep>-
 <scene>/<trial>/{game.tw-pddl,traj_data.json}, from what the `alfworld` wheel ships: the PDDL domain
 (alfworld/data/alfred.pddl), the text grammar (alfred.twl2), the goal library (alfworld/gen/
 goal_library.py) and the scene layouts (alfworld/gen/layouts/FloorPlan*). The generator knows where
-it put every object, so it writes the winning walkthrough itself and plays it through envs.py's
-env to check it; it never calls the fast-downward planner (minutes per game)."""
-import argparse
+it put every object, so it writes the winning walkthrough itself; envs.generate_games plays each one
+through the env to check it. The fast-downward planner is never called (minutes per game).
+
+Imports: textenv (task types) and alfworld only; envs.py imports this module, never the reverse."""
 import json
 import os
 import random
-import sys
 from types import SimpleNamespace
 
 import numpy as np
 
-# Trap: importing alfworld sets os.environ["ALFWORLD_DATA"] to an empty ~/.cache/alfworld when the
-# user has not set it, and envs.py would then take that folder for the user's choice of data.
-_USER_ALFWORLD_DATA = os.environ.get("ALFWORLD_DATA")
-import alfworld  # noqa: E402
+from textenv import ALFWORLD_TASK_TYPES as TASK_TYPES, import_alfworld
+
+alfworld = import_alfworld()
 import alfworld.gen.constants as C  # noqa: E402
 import alfworld.gen.goal_library as goal_library  # noqa: E402
-if _USER_ALFWORLD_DATA is None:
-    os.environ.pop("ALFWORLD_DATA", None)
-
-# short name (what tigpo reports per type) -> ALFRED task type (the folder prefix of a game)
-TASK_TYPES = {"pick": "pick_and_place_simple", "look": "look_at_obj_in_light",
-              "clean": "pick_clean_then_place_in_recep", "heat": "pick_heat_then_place_in_recep",
-              "cool": "pick_cool_then_place_in_recep", "pick2": "pick_two_obj_and_place"}
-SHORT_TYPE = {v: k for k, v in TASK_TYPES.items()}
 # the appliance a task needs in its scene, and the verb of the walkthrough step that uses it
 APPLIANCE = {"clean": ("SinkBasin", "clean"), "heat": ("Microwave", "heat"), "cool": ("Fridge", "cool")}
 LAMPS = ("DeskLamp", "FloorLamp")
@@ -257,41 +248,52 @@ def walkthrough(spec):
     return plan
 
 
-def _scenes(split):
+def _scenes(split, max_receptacles=None):
     # valid_unseen: ALFRED's held-out test scenes; train and valid_seen: its training scenes
-    return sorted(C.TEST_SCENE_NUMBERS if split == "valid_unseen" else C.TRAIN_SCENE_NUMBERS)
+    nums = sorted(C.TEST_SCENE_NUMBERS if split == "valid_unseen" else C.TRAIN_SCENE_NUMBERS)
+    if max_receptacles is None:
+        return nums
+    return [n for n in nums if len(load_scene(n, random.Random(f"scene-{n}"))["receptacles"])
+            <= max_receptacles]
 
 
 def _scene_kind(num):
     return next(kind for kind, nums in C.SCENE_TYPE.items() if num in nums)
 
 
-def generate(out_dir, num_train=24, num_eval=6, seed=0, verify=True, progress=None):
+def generate(out_dir, num_train=24, num_eval=6, seed=0, task_types=tuple(TASK_TYPES),
+             max_receptacles=None):
     """Write num_train games to json_2.1.1/train and num_eval to each of valid_seen and
-    valid_unseen under out_dir, task types round-robin (any count >= 6 covers all six).
-    Deterministic for a seed. With verify, each game's walkthrough is played through envs.py's
-    env and must win. Returns the list of written game paths."""
-    import envs  # lazy: envs imports this module
+    valid_unseen under out_dir, the given task types round-robin (with all six, any count >= 6
+    covers every type), in scenes with at most max_receptacles receptacles (None: any scene; a
+    small scene means few places to go, so few admissible actions). Deterministic for a seed
+    and these settings. A generator: yields
+    (split, game path, walkthrough) as each game is written, so the caller can show progress and
+    play the walkthrough (envs.generate_games does both)."""
     if num_train < 0 or num_eval < 0:
         raise ValueError("generate: num_train and num_eval must be >= 0")
+    unknown = sorted(set(task_types) - set(TASK_TYPES))
+    if unknown or not task_types:
+        raise ValueError(f"generate: unknown task types {unknown}: use some of {list(TASK_TYPES)}")
     with open(GRAMMAR_FILE) as f:
         grammar = f.read()
     with open(DOMAIN_FILE) as f:
         domain = f.read()
     root = os.path.join(out_dir, "json_2.1.1")
-    written, player = [], None   # one env replays every walkthrough (see AlfWorldGame.load)
     for split, count in (("train", num_train), ("valid_seen", num_eval), ("valid_unseen", num_eval)):
         rng = random.Random(f"{seed}-{split}")
-        scenes = _scenes(split)
-        shorts = list(TASK_TYPES)
+        scenes = _scenes(split, max_receptacles)
+        shorts = [t for t in TASK_TYPES if t in task_types]
         made = attempts = 0
         while made < count:
             attempts += 1
-            if attempts > 50 * count + 100:
-                raise RuntimeError(f"generator bug: no scene of {split} hosts every task type")
             short = shorts[made % len(shorts)]
             ok_kinds = C.GOALS_VALID[TASK_TYPES[short]]
-            num = rng.choice([n for n in scenes if _scene_kind(n) in ok_kinds])
+            hosts = [n for n in scenes if _scene_kind(n) in ok_kinds]
+            if not hosts or attempts > 50 * count + 100:
+                raise ValueError(f"generate: no scene of {split} with <= {max_receptacles} "
+                                 f"receptacles hosts {short} tasks: allow larger scenes")
+            num = rng.choice(hosts)
             spec = sample_task(load_scene(num, random.Random(f"scene-{num}")), short, rng)
             if spec is None:
                 continue
@@ -319,48 +321,5 @@ def generate(out_dir, num_train=24, num_eval=6, seed=0, verify=True, progress=No
                 json.dump(game, f)
             with open(os.path.join(game_dir, "traj_data.json"), "w") as f:
                 json.dump(traj, f, indent=1)
-            if verify:
-                player = _verify(envs, player, path, game["walkthrough"])
-            written.append(path)
             made += 1
-            if progress:
-                progress(split, made, count)
-    if player is not None:
-        player.close()
-    return written
-
-
-def _verify(envs, player, path, plan):
-    """Play the walkthrough through envs.py's env: every step admissible, the last one wins."""
-    if player is None:
-        player = envs.AlfWorldGame(path)
-    else:
-        player.load(path)
-    player.max_steps = len(plan) + 1
-    player.reset()
-    for i, command in enumerate(plan):
-        _, _, done, info = player.step(command)
-        if not info["valid"]:
-            raise RuntimeError(f"generator bug: walkthrough step {i} {command!r} is not "
-                               f"admissible in {path}")
-    if not info["won"]:
-        raise RuntimeError(f"generator bug: walkthrough does not win {path}")
-    return player
-
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python envs.py generate", description=(
-        "Generate ALFWorld games offline (all six task types, official json_2.1.1 layout), each "
-        "with a walkthrough checked to win. Point ALFWORLD_DATA (or --data-dir) at OUT_DIR."))
-    parser.add_argument("out_dir", help="folder that receives json_2.1.1/{train,valid_seen,valid_unseen}")
-    parser.add_argument("--num-train", type=int, default=24, help="games in train")
-    parser.add_argument("--num-eval", type=int, default=6, help="games in each of valid_seen, valid_unseen")
-    parser.add_argument("--seed", type=int, default=0, help="generation seed (same seed, same games)")
-    parser.add_argument("--no-verify", action="store_true", help="skip playing each walkthrough")
-    args = parser.parse_args(argv)
-
-    def progress(split, made, count):
-        print(f"\r{split}: {made}/{count}", end="\n" if made == count else "", file=sys.stderr)
-    paths = generate(args.out_dir, args.num_train, args.num_eval, args.seed,
-                     verify=not args.no_verify, progress=progress)
-    print(f"wrote {len(paths)} games under {os.path.join(args.out_dir, 'json_2.1.1')}")
+            yield split, path, game["walkthrough"]

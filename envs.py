@@ -1,5 +1,7 @@
-"""envs.py: environment adapters for tigpo (DESIGN.md "Environments"): ALFWorld on the real
-engine, WebShop over HTTP, the parallel env pool, and the step prompt / action parsing."""
+"""envs.py: the environments of tigpo (docs/ALGORITHM.md, "Environments"): ALFWorld on the real
+engine, generated ALFWorld games, and the parallel env pool that steps any env (ALFWorld, or
+WebShop from webshop.py) in worker processes. The step prompt and the reply parser live in
+textenv.py, which every env module shares."""
 import functools
 import hashlib
 import json
@@ -12,59 +14,18 @@ import sys
 import tempfile
 import weakref
 
+from tqdm import tqdm
+
 import alfworld_gen
+from textenv import (ALFWORLD_SHORT_TYPE, ALFWORLD_TASK_TYPES, SUCCESS_REWARD, TaskError,
+                     normalize_action)
 
 # ---------------------------------------------------------------------------------------------
-# Step prompt and action parsing (DESIGN.md "Prompt"). One prompt per step, not a growing chat:
-# the task, the last H (observation, action) pairs, the current observation, the admissible
-# actions. The model answers with <think>...</think> then one <action>...</action>.
-# ---------------------------------------------------------------------------------------------
-
-def normalize_action(text):
-    """The validity convention: strip, lowercase, collapse runs of whitespace to one space."""
-    return " ".join(str(text).strip().lower().split())
-
-
-def build_prompt(goal, history, obs, admissible, env_name="alfworld"):
-    """The user message for one step. `history` is the list of earlier (observation, action)
-    pairs of this episode; the caller passes only the last H of them."""
-    setting = {"alfworld": "a text-based household", "webshop": "a web shop"}.get(env_name, "a text")
-    lines = [f"You are an agent acting in {setting} environment.", f"Your task: {goal}", ""]
-    if history:
-        lines.append(f"Your last {len(history)} step(s):")
-        for past_obs, past_action in history:
-            lines += [f"Observation: {past_obs.strip()}", f"Action: {past_action}"]
-        lines.append("")
-    lines += [f"Current observation: {obs.strip()}", "", "Admissible actions:"]
-    lines += [f"- {a}" for a in admissible]
-    lines += ["",
-              "First reason briefly inside <think>...</think>. Then give exactly one of the "
-              "admissible actions inside <action>...</action>."]
-    return "\n".join(lines)
-
-
-_ACTION_RE = re.compile(r"<action>(.*?)</action>", re.IGNORECASE | re.DOTALL)
-
-
-def parse_action(reply):
-    """The action of a model reply: the text of its last closed <action> tag, stripped, or None
-    when there is none (an empty tag counts as none). None is an invalid step: penalised, and the
-    episode goes on (DESIGN.md)."""
-    found = _ACTION_RE.findall(reply or "")
-    if not found:
-        return None
-    action = " ".join(found[-1].split())
-    return action or None
-
-
-# ---------------------------------------------------------------------------------------------
-# ALFWorld on the real engine (DESIGN.md "Environments"). The same path as ALFWorld's own
+# ALFWorld on the real engine (docs/ALGORITHM.md "Environments"). The same path as ALFWorld's own
 # AlfredTWEnv: textworld's PDDL backend, wrapped in AlfredDemangler (ids -> "mug 1") and
 # AlfredInfos, with won and admissible commands requested. What we add: a per-process memo of
 # textworld's grammar parses (the speed-up), state keys, and the 10/0 reward.
 # ---------------------------------------------------------------------------------------------
-ALFWORLD_TASK_TYPES = tuple(alfworld_gen.TASK_TYPES)   # pick, look, clean, heat, cool, pick2
-SUCCESS_REWARD = 10.0                                  # C of DESIGN.md E6: 10 on a win, else 0
 SPLITS = ("train", "valid_seen", "valid_unseen")
 DEFAULT_NUM_TRAIN, DEFAULT_NUM_EVAL = 24, 6            # generated default: ~25 s on one core, once
 BANNER = "-= Welcome to TextWorld, ALFRED! =-"
@@ -209,10 +170,23 @@ def _cache_dir():
     return os.path.join(base, "tigpo")
 
 
-def resolve_alfworld_data(data_dir=None, seed=0, num_train=DEFAULT_NUM_TRAIN, num_eval=DEFAULT_NUM_EVAL):
+def task_types_of(value):
+    """A task-type selection as a tuple of short names: None or "all" = all six; "pick,look" or a
+    sequence picks some."""
+    if value in (None, "all"):
+        return tuple(ALFWORLD_TASK_TYPES)
+    types = tuple(t.strip() for t in value.split(",")) if isinstance(value, str) else tuple(value)
+    unknown = sorted(set(types) - set(ALFWORLD_TASK_TYPES))
+    if unknown or not types:
+        raise ValueError(f"unknown ALFWorld task types {unknown}: use some of {list(ALFWORLD_TASK_TYPES)}")
+    return tuple(t for t in ALFWORLD_TASK_TYPES if t in types)
+
+
+def resolve_alfworld_data(data_dir=None, seed=0, num_train=DEFAULT_NUM_TRAIN, num_eval=DEFAULT_NUM_EVAL,
+                          task_types=None, max_receptacles=None):
     """The json_2.1.1 folder to play: data_dir, else $ALFWORLD_DATA, else generated games in the
-    user cache (made once, keyed by seed and counts). A folder the user named but that holds no
-    json_2.1.1 is an error, never a silent fallback."""
+    user cache (made once, keyed by seed, counts, task types and scene size). A folder the user
+    named but that holds no json_2.1.1 is an error, never a silent fallback."""
     given = data_dir or os.environ.get("ALFWORLD_DATA")
     if given:
         given = os.path.abspath(os.path.expanduser(given))
@@ -222,14 +196,24 @@ def resolve_alfworld_data(data_dir=None, seed=0, num_train=DEFAULT_NUM_TRAIN, nu
         raise ValueError(f"ALFWorld data folder {given} has no json_2.1.1/ (from "
                          f"{'data_dir' if data_dir else 'ALFWORLD_DATA'}): run `alfworld-download`, "
                          f"or `python envs.py generate {given}`, or unset it to use generated games")
-    target = os.path.join(_cache_dir(), f"alfworld-{seed}-{num_train}-{num_eval}")
+    types = task_types_of(task_types)
+    name = f"alfworld-{seed}-{num_train}-{num_eval}"
+    if types != tuple(ALFWORLD_TASK_TYPES):
+        name += "-" + "-".join(types)
+    if max_receptacles:
+        name += f"-r{max_receptacles}"
+    target = os.path.join(_cache_dir(), name)
     root = os.path.join(target, "json_2.1.1")
     if not os.path.isdir(root):
         os.makedirs(_cache_dir(), exist_ok=True)
         print(f"tigpo: no ALFWORLD_DATA; generating {num_train}+{num_eval}+{num_eval} ALFWorld "
               f"games once into {target}", file=sys.stderr)
         tmp = tempfile.mkdtemp(prefix="alfworld-tmp-", dir=_cache_dir())
-        alfworld_gen.generate(tmp, num_train, num_eval, seed)
+        try:
+            generate_games(tmp, num_train, num_eval, seed, types, max_receptacles)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         try:
             os.rename(tmp, target)          # atomic: a concurrent generator may have won the race
         except OSError:
@@ -239,11 +223,18 @@ def resolve_alfworld_data(data_dir=None, seed=0, num_train=DEFAULT_NUM_TRAIN, nu
     return root
 
 
+def scene_size(pddl_problem):
+    """The number of receptacles in a game's PDDL problem (its scene size): one receptacleType
+    fact each."""
+    return pddl_problem.count("(receptacleType ")
+
+
 @functools.lru_cache(maxsize=None)
-def alfworld_tasks(root, split):
+def alfworld_tasks(root, split, task_types=None, max_receptacles=None):
     """Sorted task keys ("<split>/<folder>/<trial>/game.tw-pddl") of a split, filtered as
-    AlfredTWEnv filters: the six task types, no movable/sliced variants, no game marked
-    unsolvable."""
+    AlfredTWEnv filters (the six task types, no movable/sliced variants, no game marked
+    unsolvable), then to the chosen task types and scenes of at most max_receptacles."""
+    types = {ALFWORLD_TASK_TYPES[t] for t in task_types_of(task_types)}
     split_dir = os.path.join(root, split)
     if not os.path.isdir(split_dir):
         raise ValueError(f"ALFWorld data folder {root} has no {split}/ split (have "
@@ -256,36 +247,40 @@ def alfworld_tasks(root, split):
         if "movable" in folder or "Sliced" in folder:
             continue
         with open(os.path.join(folder, "traj_data.json")) as f:
-            if json.load(f).get("task_type") not in alfworld_gen.SHORT_TYPE:
+            if json.load(f).get("task_type") not in types:
                 continue
         with open(os.path.join(folder, "game.tw-pddl")) as f:
-            if json.load(f).get("solvable") is False:   # (AlfredTWEnv also drops games without the key)
-                continue
+            game = json.load(f)
+        if game.get("solvable") is False:   # (AlfredTWEnv also drops games without the key)
+            continue
+        if max_receptacles and scene_size(game.get("pddl_problem", "")) > max_receptacles:
+            continue
         keys.append(os.path.relpath(os.path.join(folder, "game.tw-pddl"), root).replace(os.sep, "/"))
     if not keys:
-        raise ValueError(f"ALFWorld data folder {split_dir} holds no solvable games of the six "
-                         f"task types: re-run `alfworld-download` or `python envs.py generate`")
+        raise ValueError(f"ALFWorld data folder {split_dir} holds no solvable games of the task "
+                         f"types {task_types_of(task_types)} in scenes of at most {max_receptacles or 'any'} "
+                         f"receptacles: choose others, or re-run `alfworld-download` / "
+                         f"`python envs.py generate`")
     return tuple(sorted(keys))
 
 
 def task_type_of(task):
     """pick, look, clean, heat, cool or pick2, read from the task key's folder name."""
-    return alfworld_gen.SHORT_TYPE[task.split("/")[1].split("-")[0]]
-
-
-class TaskError(ValueError):
-    """A task key the env does not have: the caller's bug, raised (also through EnvPool)."""
+    return ALFWORLD_SHORT_TYPE[task.split("/")[1].split("-")[0]]
 
 
 class AlfWorldEnv:
     """The env of make_env("alfworld"): a split of games, one episode at a time."""
 
-    def __init__(self, split="train", data_dir=None, max_steps=50, state_key="facts", seed=0):
+    def __init__(self, split="train", data_dir=None, max_steps=50, state_key="facts", seed=0,
+                 task_types=None, max_receptacles=None, num_train=DEFAULT_NUM_TRAIN,
+                 num_eval=DEFAULT_NUM_EVAL):
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         if state_key not in ("facts", "obs"):
             raise ValueError(f"state_key must be 'facts' or 'obs', got {state_key!r}")
-        self.root = resolve_alfworld_data(data_dir, seed)
+        self.types, self.max_receptacles = task_types_of(task_types), max_receptacles
+        self.root = resolve_alfworld_data(data_dir, seed, num_train, num_eval, self.types, max_receptacles)
         self.split, self.max_steps, self.state_key = split, max_steps, state_key
         if not os.path.isdir(os.path.join(self.root, split)):
             alfworld_tasks(self.root, split)   # raises the error that names the folder
@@ -295,7 +290,7 @@ class AlfWorldEnv:
     def tasks(self):
         # listed on first use: pool workers never need it, and the official train split means
         # reading ~3.5k game files
-        return list(alfworld_tasks(self.root, self.split))
+        return list(alfworld_tasks(self.root, self.split, self.types, self.max_receptacles))
 
     def reset(self, task):
         path = os.path.join(self.root, task)
@@ -308,7 +303,7 @@ class AlfWorldEnv:
         self._task = task
         obs, info = self._game.reset()
         with open(os.path.join(os.path.dirname(path), "traj_data.json")) as f:
-            task_type = alfworld_gen.SHORT_TYPE.get(json.load(f).get("task_type"))
+            task_type = ALFWORLD_SHORT_TYPE.get(json.load(f).get("task_type"))
         info.update(task=task, task_type=task_type or task_type_of(task))
         return obs, info
 
@@ -333,13 +328,77 @@ def make_env(name, **kwargs):
     raise ValueError(f"unknown env {name!r}: choose 'alfworld' or 'webshop'")
 
 
-def generate_alfworld(out_dir, num_train=DEFAULT_NUM_TRAIN, num_eval=DEFAULT_NUM_EVAL, seed=0):
-    """Generate ALFWorld games offline into out_dir/json_2.1.1 (see alfworld_gen.py)."""
-    return alfworld_gen.generate(out_dir, num_train, num_eval, seed)
+def generate_games(out_dir, num_train=DEFAULT_NUM_TRAIN, num_eval=DEFAULT_NUM_EVAL, seed=0,
+                   task_types=tuple(ALFWORLD_TASK_TYPES), max_receptacles=None, verify=True,
+                   progress=True):
+    """Generate ALFWorld games offline into out_dir/json_2.1.1 (alfworld_gen.generate) with a
+    progress bar, and play each game's walkthrough through AlfWorldGame: every step must be
+    admissible and the last one must win (the solvability check; the planner is never called).
+    Returns the written game paths."""
+    written, player = [], None   # one env replays every walkthrough (see AlfWorldGame.load)
+    total = num_train + 2 * num_eval
+    bar = tqdm(total=total, desc="generating games", unit="game", disable=not progress,
+               dynamic_ncols=True, leave=False)
+    try:
+        for split, path, plan in alfworld_gen.generate(out_dir, num_train, num_eval, seed, task_types,
+                                                         max_receptacles):
+            if verify:
+                player = _play_walkthrough(player, path, plan)
+            written.append(path)
+            bar.update()
+    finally:
+        bar.close()
+        if player is not None:
+            player.close()
+    return written
+
+
+def _play_walkthrough(player, path, plan):
+    """Play a generated game's walkthrough: every step admissible, the last one wins."""
+    if player is None:
+        player = AlfWorldGame(path)
+    else:
+        player.load(path)
+    player.max_steps = len(plan) + 1
+    player.reset()
+    for i, command in enumerate(plan):
+        _, _, done, info = player.step(command)
+        if not info["valid"]:
+            raise RuntimeError(f"generator bug: walkthrough step {i} {command!r} is not "
+                               f"admissible in {path}")
+    if not info["won"]:
+        raise RuntimeError(f"generator bug: walkthrough does not win {path}")
+    return player
+
+
+def generate_main(argv=None):
+    """`python envs.py generate OUT_DIR ...`: generate a game set for ALFWORLD_DATA / --data-dir."""
+    import argparse
+    parser = argparse.ArgumentParser(prog="python envs.py generate", description=(
+        "Generate ALFWorld games offline (official json_2.1.1 layout), each with a walkthrough "
+        "checked to win. Point ALFWORLD_DATA (or train.py --data-dir) at OUT_DIR."))
+    parser.add_argument("out_dir", help="folder that receives json_2.1.1/{train,valid_seen,valid_unseen}")
+    parser.add_argument("--num-train", type=int, default=DEFAULT_NUM_TRAIN, help="games in train")
+    parser.add_argument("--num-eval", type=int, default=DEFAULT_NUM_EVAL,
+                        help="games in each of valid_seen, valid_unseen")
+    parser.add_argument("--seed", type=int, default=0, help="generation seed (same seed, same games)")
+    parser.add_argument("--task-types", default=",".join(ALFWORLD_TASK_TYPES),
+                        help="comma-separated task types, taken in turn (default: all six)")
+    parser.add_argument("--max-receptacles", type=int, default=None,
+                        help="only scenes with at most this many receptacles (default: any)")
+    parser.add_argument("--no-verify", action="store_true", help="skip playing each walkthrough")
+    args = parser.parse_args(argv)
+    try:
+        paths = generate_games(args.out_dir, args.num_train, args.num_eval, args.seed,
+                               tuple(args.task_types.split(",")), args.max_receptacles,
+                               verify=not args.no_verify)
+    except ValueError as e:
+        parser.error(str(e))
+    print(f"wrote {len(paths)} games under {os.path.join(args.out_dir, 'json_2.1.1')}")
 
 
 # ---------------------------------------------------------------------------------------------
-# Parallel env pool (DESIGN.md "Parallel envs"). Each worker is a plain `python envs.py worker`
+# Parallel env pool (docs/ALGORITHM.md "Parallel envs"). Each worker is a plain `python envs.py worker`
 # subprocess speaking one JSON line per request on its stdin/stdout: no fork of a parent that
 # holds torch threads, no re-import of the trainer's __main__ (multiprocessing's spawn would run
 # a top-level train.py script again). Slots are dealt to workers in contiguous blocks, so the K
@@ -351,7 +410,7 @@ class EnvPool:
     step(actions) -> (obs, rewards, dones, infos), actions aligned with the last reset. An action
     None means "do not step this env" (it is done or not wanted): that slot returns obs None,
     reward 0.0, its last done flag, info {}. A crashed game or a dead worker ends its episodes as
-    failures (reward 0.0, done True, info["error"]); a dead worker is restarted and the batch goes on.
+    failures (reward 0.0, done True, info["crash"] says why); a dead worker is restarted and the batch goes on.
     A worker that does not answer within worker_timeout seconds (a hung game) is killed and
     counted as dead."""
 
@@ -360,8 +419,10 @@ class EnvPool:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if name == "alfworld":
             # resolve (and, the first time, generate) the data once here, not in every worker
+            kw = make_env_kwargs
             make_env_kwargs["data_dir"] = os.path.dirname(resolve_alfworld_data(
-                make_env_kwargs.get("data_dir"), make_env_kwargs.get("seed", 0)))
+                kw.get("data_dir"), kw.get("seed", 0), kw.get("num_train", DEFAULT_NUM_TRAIN),
+                kw.get("num_eval", DEFAULT_NUM_EVAL), kw.get("task_types"), kw.get("max_receptacles")))
         elif name != "webshop":
             make_env(name)  # raises the ValueError naming the choices
         self.name, self.kwargs, self.num_workers = name, make_env_kwargs, num_workers
@@ -428,10 +489,10 @@ class EnvPool:
                 raise TaskError(f"EnvPool worker {w}: {reply['fatal']}")
             for j in requests[w]["tasks"]:
                 if reply is None:
-                    obs[j], infos[j] = "", {"error": f"env worker {w} died or hung during reset", "won": False}
+                    obs[j], infos[j] = "", {"crash": f"env worker {w} died or hung during reset", "won": False}
                 else:
                     obs[j], infos[j] = reply["results"][str(j)]
-        self._dones = [bool(info.get("error")) for info in infos]
+        self._dones = [bool(info.get("crash")) for info in infos]
         return obs, infos
 
     def step(self, actions):
@@ -449,7 +510,7 @@ class EnvPool:
             for j in requests[w]["actions"]:
                 if reply is None:
                     obs[j], dones[j] = "", True
-                    infos[j] = {"error": f"env worker {w} died or hung (no reply in {self.worker_timeout:g} s); "
+                    infos[j] = {"crash": f"env worker {w} died or hung (no reply in {self.worker_timeout:g} s); "
                                          f"episode ended as a failure",
                                 "won": False, "valid": False}
                 else:
@@ -489,7 +550,7 @@ class _Fatal(Exception):
 
 
 def _worker(name, kwargs):
-    """The loop of one pool worker. A game that raises ends only its own episode (info["error"])."""
+    """The loop of one pool worker. A game that raises ends only its own episode (info["crash"])."""
     out = os.fdopen(os.dup(1), "w")   # protocol channel; anything printed goes to stderr instead
     os.dup2(2, 1)
     sys.stdout = sys.stderr
@@ -514,13 +575,13 @@ def _worker(name, kwargs):
                     except TaskError as e:       # so is an unknown task key
                         raise _Fatal(str(e)) from e
                     except Exception as e:       # a game that crashes: only this episode fails
-                        results[j] = ("", {"error": f"{type(e).__name__}: {e}", "won": False})
+                        results[j] = ("", {"crash": f"{type(e).__name__}: {e}", "won": False})
             else:
                 for j, action in msg["actions"].items():
                     try:
                         results[j] = envs[j].step(action)
                     except Exception as e:       # same: the episode ends as a failure
-                        results[j] = ("", 0.0, True, {"error": f"{type(e).__name__}: {e}",
+                        results[j] = ("", 0.0, True, {"crash": f"{type(e).__name__}: {e}",
                                                       "won": False, "valid": False})
             reply = {"results": results}
         except _Fatal as e:
@@ -535,7 +596,7 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["worker"]:
         _worker(sys.argv[2], json.loads(sys.argv[3]))
     elif sys.argv[1:2] == ["generate"]:
-        alfworld_gen.main(sys.argv[2:])
+        generate_main(sys.argv[2:])
     else:
         print("usage: python envs.py generate --help", file=sys.stderr)
         sys.exit(2)

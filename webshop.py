@@ -1,4 +1,4 @@
-"""webshop.py: the WebShop environment over HTTP (DESIGN.md "Environments", issue 6). Talks with
+"""webshop.py: the WebShop environment over HTTP (docs/ALGORITHM.md "Environments"). Talks with
 `requests` to WebShop's own Flask server (princeton-nlp/WebShop, web_agent_site/app.py, port 3000),
 the way the ReAct WebShop experiments did, and gives it the ALFWorld env API of envs.py:
 `tasks`, `reset(task) -> (obs, info)`, `step(text) -> (obs, reward, done, info)`, `close()`.
@@ -19,7 +19,7 @@ from urllib.parse import quote
 
 import requests
 
-import envs  # envs.normalize_action at call time: envs imports this module lazily, never a cycle
+from textenv import SUCCESS_REWARD, TaskError, normalize_action
 
 NUM_GOALS = 12087   # WebShop's human instructions (paper: 10,587 train + 1,000 dev + 500 test)
 TEST_GOALS = 500    # goals 0-499: the standard test set; 500+: training (verl-agent, GiGPO)
@@ -153,16 +153,15 @@ class WebShopEnv:
     `split`: "train" = goals TEST_GOALS..num_goals-1, "test" = goals 0..TEST_GOALS-1.
     `num_goals`: how many fixed goals the server has; the real app has no route that lists them, so
     it is given: 12087 for the full human-instruction set; lower it for a server built from a
-    smaller goal file. `data_dir` and `state_key` are the generic kwargs the trainer passes to every
-    env: WebShop's data lives with its server, and its state key is always the page identity.
+    smaller goal file. WebShop's data lives with its server, and its state key is always the page
+    identity.
     `timeout` (read) / `connect_timeout` are seconds; a refused or timed-out request is retried
     `retries` times after `backoff * 2**attempt` seconds, then raises WebShopUnreachable. `seed`
     only drives reset(None), which draws a goal of `tasks`.
     """
 
     def __init__(self, url="http://127.0.0.1:3000", split="train", max_steps=15, seed=0,
-                 num_goals=NUM_GOALS, timeout=30.0, connect_timeout=3.0, retries=2, backoff=0.25,
-                 data_dir=None, state_key=None):
+                 num_goals=NUM_GOALS, timeout=30.0, connect_timeout=3.0, retries=2, backoff=0.25):
         if split == "train":
             indices = range(TEST_GOALS, num_goals)
         elif split == "test":
@@ -224,7 +223,7 @@ class WebShopEnv:
     def _targets(self, parsed, page):
         """normalized label -> (the page a click leads to, whether it is a selected option), for
         what this page shows and the real app's templates define."""
-        norm, out, route = envs.normalize_action, {}, page["route"]
+        norm, out, route = normalize_action, {}, page["route"]
         options = page.get("options", {})
         chosen = {norm(v) for v in options.values()}
         radios = {norm(value): (name, value) for value, name in parsed.radios.items()}
@@ -286,7 +285,7 @@ class WebShopEnv:
         the selected options as [clicked button] x [clicked button_]."""
         parts = []
         for text, kind in parsed.chunks:
-            target = self._clickables.get(envs.normalize_action(text)) if kind != "text" else None
+            target = self._clickables.get(normalize_action(text)) if kind != "text" else None
             if target is None:
                 parts.append(text)
             elif target[1]:
@@ -317,7 +316,7 @@ class WebShopEnv:
         task = self._rng.choice(self.tasks) if task is None else task
         prefix, _, index = str(task).rpartition("/")
         if prefix not in ("", "webshop") or not index.isdigit() or int(index) >= self.num_goals:
-            raise envs.TaskError(f"unknown WebShop task {task!r}: use 'webshop/<goal index>', "
+            raise TaskError(f"unknown WebShop task {task!r}: use 'webshop/<goal index>', "
                                  f"index in 0..{self.num_goals - 1} (num_goals), e.g. env.tasks")
         self._session, self._done = f"fixed_{int(index)}", True
         page = {"route": "index"}
@@ -352,7 +351,7 @@ class WebShopEnv:
             else:
                 nxt = {"route": "search_results", "keywords": query, "page": 1}
         else:
-            target = self._clickables.get(envs.normalize_action(match.group(2)))
+            target = self._clickables.get(normalize_action(match.group(2)))
             if target is None:
                 error = f"nothing to click called {match.group(2)!r} on this page" + (
                     "; to search, write search[your query]" if self._has_search else "")
@@ -365,7 +364,7 @@ class WebShopEnv:
                 self._enter(nxt, *loaded)
                 if nxt["route"] == "done":
                     score = loaded[0].score()
-                    reward, done = 10.0 * score, True
+                    reward, done = SUCCESS_REWARD * score, True
                     extra = {"score": score, "won": score >= 1.0}
         if error is not None:
             extra = {"valid": False, "error": error}

@@ -13,5 +13,5 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def alfworld_data(tmp_path_factory):
     import envs
     out = tmp_path_factory.mktemp("alfworld")
-    envs.generate_alfworld(str(out), num_train=6, num_eval=2, seed=0)   # 10 games, ~6-15 s
+    envs.generate_games(str(out), num_train=6, num_eval=2, seed=0)   # 10 games, ~6-15 s
     return str(out)

@@ -1,5 +1,8 @@
-"""Step prompt and action parsing (DESIGN.md "Prompt"): the conventions the trainer relies on."""
-from envs import build_prompt, normalize_action, parse_action
+"""Step prompt and action parsing (docs/ALGORITHM.md, "Environments"): the conventions the trainer
+relies on, in both response formats."""
+import pytest
+
+from textenv import ACTION_END, ACTION_PREFILL, build_prompt, normalize_action, parse_action
 
 
 def test_normalize_action_strips_lowercases_and_collapses_spaces():
@@ -26,3 +29,15 @@ def test_prompt_holds_task_history_observation_and_admissible_actions():
                  "<think>", "<action>"):
         assert part in prompt
     assert "last" not in build_prompt("g", [], "o", ["look"])   # no history block on the first step
+
+
+def test_action_format_lists_tagged_actions_and_its_prefilled_reply_parses():
+    prompt = build_prompt("put a mug in desk.", [], "You see a desk.", ["go to desk 1", "look"],
+                          response_format="action")
+    assert "<action>go to desk 1</action>\n<action>look</action>" in prompt
+    assert "<think>" not in prompt and "- look" not in prompt
+    # the reply of the action format is the prefill (prompt) plus what the model generated
+    assert parse_action(ACTION_PREFILL + "go to desk 1" + ACTION_END) == "go to desk 1"
+    assert parse_action(ACTION_PREFILL + "go to desk 1") is None      # cut before the stop string
+    with pytest.raises(ValueError, match="response_format"):
+        build_prompt("g", [], "o", ["look"], response_format="json")

@@ -51,13 +51,6 @@ def test_tasks_follow_the_standard_split():
         webshop.WebShopEnv(url="localhost:3000")
 
 
-def test_generic_kwargs_are_accepted(server):
-    env = envs.make_env("webshop", url=server.url, split="test", max_steps=15, seed=0,
-                        data_dir="ignored", state_key="facts", num_goals=520)
-    obs, info = env.reset("webshop/3")
-    assert info["state"] == "index" and "Instruction:" in obs
-
-
 def test_reset_shows_the_search_page_of_the_fixed_goal(env, server):
     obs, info = env.reset(GOAL)
     goal = server.shop.goals[500]["instruction_text"]
