@@ -1,4 +1,4 @@
-"""tigpo.py: the TIGPO algorithm core (arXiv 2609.03383), equations E1-E11 of DESIGN.md.
+"""tigpo.py: the TIGPO algorithm core (arXiv 2609.03383), equations E1-E11 of docs/ALGORITHM.md.
 
 Three pieces, Python standard library only, plain data in and out, so that verl, TRL or
 OpenRLHF code can copy this file and call it as is:
@@ -15,10 +15,13 @@ A batch is a list of groups; a group is K rollouts of one task:
                 "valid": [v0, ..., vT-1],     # T admissible-action flags
                 "score": R,                   # outcome score R_i
                 "success": bool}, ...]}
-Details the paper leaves open are marked *(choice)* here and in DESIGN.md.
+States and valid flags may be lists, tuples or NumPy arrays (str or object dtype): every function
+gives the same answer for each and never writes into its input. Details the paper leaves open are
+marked *(choice)* here and in docs/ALGORITHM.md.
 """
 import math
 import random
+import sys
 from collections import defaultdict, deque
 
 __all__ = ["SUCCESS", "ALGOS", "NORMS", "compute_advantages", "GraphMemory", "RevisitScheduler"]
@@ -62,7 +65,9 @@ def _check_groups(groups, algo, norm):
         if kind not in ("explore", "revisit"):
             raise ValueError(f"{where} has kind {kind!r}: use 'explore' or 'revisit'")
         # Checked for every algo, not only tigpo, so a broken schedule fails on any baseline too.
-        if kind == "revisit" and not group.get("ref_scores"):
+        # (len, not truthiness: ref_scores may be a NumPy array)
+        ref_scores = group.get("ref_scores")
+        if kind == "revisit" and (ref_scores is None or len(ref_scores) == 0):
             raise ValueError(f"{where} is a revisit group without ref_scores: pass the scores "
                              f"Z_E recorded at exploration (RevisitScheduler.plan gives them)")
 
@@ -92,7 +97,9 @@ def _norm_stats(pool, norm, eps):
 def _next_states(traj):
     """s_{i,t+1} of every step of a trajectory, except that the last step of a won trajectory
     leads to the sink SUCCESS (E4). Used by both the batch graph (E4) and the memory (E10)."""
-    nexts = traj["states"][1:]   # a slice is a copy: the caller's list is never changed
+    # A new list: a NumPy slice would be a view into the caller's array (and a '<U1' array would
+    # cut SUCCESS to '<'), a tuple cannot be written to.
+    nexts = list(traj["states"][1:])
     if traj["success"] and nexts:
         nexts[-1] = SUCCESS
     return nexts
@@ -135,7 +142,7 @@ def _distances(batch_preds, hist_preds):
     while frontier and unseen:
         d += 1
         reached = set()
-        for node in frontier:
+        for node in frontier:   # E7: predecessors in G_x and in the history H_x
             reached.update(batch_preds.get(node, ()), hist_preds.get(node, ()))
         frontier = reached - seen
         seen |= frontier
@@ -174,7 +181,7 @@ def _graph_returns(trajs, hist_preds, success_reward, graph_gamma, invalid_penal
 
 def _anchor_stats(trajs, returns, norm, eps):
     """E3: the statistics of each anchor group, the current steps of one task that share a source
-    state s_{i,t} (the caller passes one task at a time, so DESIGN.md's key (task, s) is the state
+    state s_{i,t} (the caller passes one task at a time, so the key (task, s) of docs/ALGORITHM.md is the state
     alone here), with E1's rule: {state: (mean, scale)}; a step's normalised value is
     (q - mean) / scale, exactly 0 in a group of one."""
     anchors = defaultdict(list)   # {state: [step returns]} in batch order
@@ -187,7 +194,7 @@ def _anchor_stats(trajs, returns, norm, eps):
 
 
 # ---------------------------------------------------------------------------------------------
-# The advantages of all four algorithms (DESIGN.md table) and their combination (E9).
+# The advantages of all four algorithms (docs/ALGORITHM.md table) and their combination (E9).
 # ---------------------------------------------------------------------------------------------
 
 def compute_advantages(groups, algo="tigpo", memory=None, *, success_reward=10.0,
@@ -236,6 +243,7 @@ def compute_advantages(groups, algo="tigpo", memory=None, *, success_reward=10.0
         if algo == "gigpo":
             returns = _discounted_returns(trajs, step_gamma, invalid_penalty)
         else:
+            # E7: tigpo's distances are taken on H_x u G_x; the baselines see G_x alone
             hist = memory.preds.get(task, {}) if algo == "tigpo" and memory is not None else {}
             returns = _graph_returns(trajs, hist, success_reward, graph_gamma, invalid_penalty)
         stats = _anchor_stats(trajs, returns, norm, eps)
@@ -243,12 +251,11 @@ def compute_advantages(groups, algo="tigpo", memory=None, *, success_reward=10.0
         for g in members:
             per_traj = []
             for traj, ep in zip(groups[g]["trajs"], episode[g]):
-                e = lambda_ep * ep
-                # E3's normalisation and E9's sum in one pass over the steps (s_{i,t}, q_{i,t}).
-                # Trap: zip must take the returns first; it then stops at step T before asking
-                # for s_T, which left no step and so has no anchor statistics.
-                per_traj.append([lambda_step * ((q - mean) / scale) + e for q, (mean, scale)
-                                 in zip(next(rows), map(stats.__getitem__, traj["states"]))])
+                step_returns = next(rows)   # q_{i,t} (or R_{i,t}) for t < T_i
+                # E3: normalise within the anchor group of s_{i,t}
+                step_adv = [(q - stats[s][0]) / stats[s][1] for q, s in zip(step_returns, traj["states"])]
+                # E9: A_{i,t} = lambda_step * A^step_{i,t} + lambda_ep * A^ep_i
+                per_traj.append([lambda_step * a + lambda_ep * ep for a in step_adv])
             out[g] = per_traj
     return out
 
@@ -275,6 +282,7 @@ class GraphMemory:
         self.max_edges_per_task = max_edges_per_task
         self.preds = {}   # {task: {dst: set(src)}}: the reversed graph, read by compute_advantages
         self.order = {}   # {task: deque([(src, dst), ...])}: first-insertion order of the edges
+        self.evicted = 0  # edges dropped by the bound, over the memory's life
 
     def add(self, groups):
         """E10: H_x <- H_x u {valid transitions of G_x}. Invalid actions and self-loops are not
@@ -308,6 +316,7 @@ class GraphMemory:
             order.append((src, dst))
             if cap is not None and len(order) > cap:
                 old_src, old_dst = order.popleft()
+                self.evicted += 1
                 old = preds[old_dst]
                 old.discard(old_src)
                 if not old:
@@ -323,24 +332,45 @@ class GraphMemory:
     def _nodes(self, task):
         return {node for edge in self.order.get(task, ()) for node in edge}
 
+    def distances(self, task):
+        """E5 on the stored graph H_x alone: {node: fewest edges to SUCCESS}, d_max + 1 for a node
+        that cannot reach it, 1 for every node when SUCCESS was never reached; {} for an unknown
+        task. What the memory alone says about each remembered state."""
+        nodes = self._nodes(task)
+        return _distances(dict.fromkeys(nodes, ()), self.preds.get(task, {})) if nodes else {}
+
     def stats(self, groups=None):
         """The diagnostics the paper plots: stored tasks, nodes (SUCCESS counts as a node of each
-        task that reached it) and edges. With `groups` (call it before add), also task_hit_rate,
-        the fraction of those groups whose task is stored, and state_hit_rate, the fraction of
-        their current source states s_{i,t} (every step counts) already a node of that task's
-        stored graph; each is 0.0 when there is nothing to count. Costs O(stored edges)."""
-        out = {"tasks": len(self.order), "nodes": sum(len(self._nodes(t)) for t in self.order),
-               "edges": sum(len(o) for o in self.order.values())}
+        task that reached it) and edges, each task's nodes and edges (mean and max), the edges the
+        bound evicted so far, and an estimate of the memory's size in bytes (its containers and
+        strings, each string counted once). With `groups` (call it before add), also
+        task_hit_rate, the fraction of those groups whose task is stored, and state_hit_rate, the
+        fraction of their current source states s_{i,t} (every step counts) already a node of that
+        task's stored graph; each is 0.0 when there is nothing to count. Costs O(stored edges)."""
+        nodes = {t: self._nodes(t) for t in self.order}
+        edges = [len(o) for o in self.order.values()]
+        sizes = [len(n) for n in nodes.values()]
+        strings = {id(x): x for task_nodes in nodes.values() for x in task_nodes}
+        strings.update((id(t), t) for t in self.order)
+        size = (sys.getsizeof(self.preds) + sys.getsizeof(self.order)
+                + sum(sys.getsizeof(x) for x in strings.values())
+                + sum(sys.getsizeof(p) + sum(sys.getsizeof(srcs) for srcs in p.values())
+                      for p in self.preds.values())
+                + sum(sys.getsizeof(o) + len(o) * sys.getsizeof((None, None)) for o in self.order.values()))
+        out = {"tasks": len(self.order), "nodes": sum(sizes), "edges": sum(edges),
+               "nodes_per_task_mean": sum(sizes) / len(sizes) if sizes else 0.0,
+               "nodes_per_task_max": max(sizes, default=0),
+               "edges_per_task_mean": sum(edges) / len(edges) if edges else 0.0,
+               "edges_per_task_max": max(edges, default=0),
+               "evicted_edges": self.evicted, "bytes": size}
         if groups is not None:
-            nodes_of, steps, hits = {}, 0, 0
+            steps, hits = 0, 0
             for group in groups:
-                task = group["task"]
-                if task not in nodes_of:
-                    nodes_of[task] = self._nodes(task)
+                task_nodes = nodes.get(group["task"], ())
                 for traj in group["trajs"]:
                     src_states = traj["states"][:-1]
                     steps += len(src_states)
-                    hits += sum(s in nodes_of[task] for s in src_states)
+                    hits += sum(s in task_nodes for s in src_states)
             stored = sum(group["task"] in self.order for group in groups)
             out["task_hit_rate"] = stored / len(groups) if groups else 0.0
             out["state_hit_rate"] = hits / steps if steps else 0.0
@@ -348,7 +378,7 @@ class GraphMemory:
 
     def state_dict(self):
         """JSON-serialisable: the bound and every task's edges in first-insertion order."""
-        return {"max_edges_per_task": self.max_edges_per_task,
+        return {"max_edges_per_task": self.max_edges_per_task, "evicted": self.evicted,
                 "edges": {task: [[src, dst] for src, dst in order]
                           for task, order in self.order.items()}}
 
@@ -357,6 +387,7 @@ class GraphMemory:
         self.__init__(state["max_edges_per_task"])
         for task, edges in state["edges"].items():
             self._insert(task, ((src, dst, True) for src, dst in edges))
+        self.evicted = state.get("evicted", 0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """tigpo.py pinned by hand-worked examples: each test's numbers were computed on paper from the
-equations of DESIGN.md (E1-E11), with the arithmetic written beside them."""
+equations of docs/ALGORITHM.md (E1-E11), with the arithmetic written beside them."""
 import json
 import math
 
@@ -247,14 +247,19 @@ def test_e10_memory_stores_valid_transitions_without_self_loops():
         traj(["s0", "s5"], valid=[False])])])
     assert memory.edges("x") == {"s0": {"s1", "s3"}, "s3": {SUCCESS}}
     assert memory.edges("never seen") == {}
-    assert memory.stats() == {"tasks": 1, "nodes": 4, "edges": 3}   # s0, s1, s3, SUCCESS
+    stats = memory.stats()
+    assert {k: stats[k] for k in ("tasks", "nodes", "edges")} == {"tasks": 1, "nodes": 4, "edges": 3}
+    # one task: per-task mean and max are its own numbers; nothing evicted without a bound
+    assert (stats["nodes_per_task_mean"], stats["nodes_per_task_max"]) == (4.0, 4)   # s0, s1, s3, SUCCESS
+    assert (stats["edges_per_task_mean"], stats["edges_per_task_max"]) == (3.0, 3)
+    assert stats["evicted_edges"] == 0 and stats["bytes"] > GraphMemory().stats()["bytes"]
 
 
 def test_memory_add_checks_every_group_before_storing_any():
     memory = GraphMemory()
     with pytest.raises(ValueError, match="group 1 .*empty"):
         memory.add([chain_group("x", "a", "b"), group("y", [])])
-    assert memory.stats() == {"tasks": 0, "nodes": 0, "edges": 0}
+    assert {k: memory.stats()[k] for k in ("tasks", "nodes", "edges")} == {"tasks": 0, "nodes": 0, "edges": 0}
 
 
 def test_memory_stats_hit_rates():
@@ -265,8 +270,20 @@ def test_memory_stats_hit_rates():
     stats = memory.stats(batch)
     assert stats["task_hit_rate"] == 0.5              # 1 of 2 groups
     assert stats["state_hit_rate"] == 2 / 3           # 2 of 3 source states
-    assert GraphMemory().stats([]) == {"tasks": 0, "nodes": 0, "edges": 0,
-                                       "task_hit_rate": 0.0, "state_hit_rate": 0.0}
+    empty = GraphMemory().stats([])
+    assert {k: empty[k] for k in ("tasks", "nodes", "edges", "task_hit_rate", "state_hit_rate")} == {
+        "tasks": 0, "nodes": 0, "edges": 0, "task_hit_rate": 0.0, "state_hit_rate": 0.0}
+
+
+def test_memory_distances_are_e5_on_the_stored_graph():
+    memory = GraphMemory()
+    memory.add([group("x", [traj(["a", "b", "c"], score=10.0, success=True),   # a->b->SUCCESS
+                            traj(["a", "d", "e"])])])                         # d->e: dead end
+    # BFS from SUCCESS on the reversed graph: b 1, a 2; d and e cannot reach it: d_max + 1 = 3
+    assert memory.distances("x") == {SUCCESS: 0, "b": 1, "a": 2, "d": 3, "e": 3}
+    memory.add([chain_group("y", "p", "q")])                  # no success at all: every node 1
+    assert memory.distances("y") == {"p": 1, "q": 1}
+    assert memory.distances("never seen") == {}
 
 
 def chain_group(task, *states):
@@ -284,6 +301,10 @@ def test_memory_bound_evicts_oldest_inserted_edges():
     assert memory.stats()["nodes"] == 3                    # b left with its last edge
     memory.add([chain_group("y", "a", "b", "c", "d")])     # the bound is per task
     assert memory.edges("y") == {"b": {"c"}, "c": {"d"}}
+    assert memory.stats()["evicted_edges"] == 3              # a->b, b->c of x; a->b of y
+    restored = GraphMemory()
+    restored.load_state_dict(json.loads(json.dumps(memory.state_dict())))
+    assert restored.stats()["evicted_edges"] == 3            # the count survives a checkpoint
     with pytest.raises(ValueError, match="max_edges_per_task"):
         GraphMemory(max_edges_per_task=0)
 

@@ -1,5 +1,5 @@
 """tigpo.py property tests on random batches: the fast path equals a naive, literal reading of
-DESIGN.md E1-E10 (written out below), inputs are never mutated, group order does not matter,
+docs/ALGORITHM.md E1-E10 (written out below), inputs are never mutated, group order does not matter,
 and a task's advantages depend only on that task's groups and memory."""
 import copy
 import json
