@@ -1,5 +1,5 @@
-"""bench/credit.py: a CPU credit-assignment benchmark (issue 5): GRPO, GiGPO, GraphGPO, TIGPO and
-TIGPO's ablations (DESIGN.md E1-E11) trained on a synthetic long-horizon task family with a tabular
+"""bench/credit.py: a CPU credit-assignment benchmark: GRPO, GiGPO, GraphGPO, TIGPO and
+TIGPO's ablations (docs/ALGORITHM.md E1-E11) trained on a synthetic long-horizon task family with a tabular
 softmax policy, using the SAME tigpo.compute_advantages / GraphMemory / RevisitScheduler as train.py.
 
     python bench/credit.py --quick     # < 2 min: one row per method, the K=4 column of the table
@@ -191,7 +191,7 @@ def success_probability(task, theta_rows, cfg):
 def train_run(method, k, seed, cfg):
     """Train a fresh tabular policy on the seed's task set with one method; B = rollouts / K groups
     per update. Per update: plan (E11) -> K rollouts per group -> compute_advantages (E1-E9) ->
-    policy gradient -> memory.add (E10) -> scheduler.record (E11), exactly the order of DESIGN.md."""
+    policy gradient -> memory.add (E10) -> scheduler.record (E11), exactly the order of docs/ALGORITHM.md."""
     spec = METHODS[method]
     if cfg.rollouts % k:
         raise ValueError(f"--rollouts {cfg.rollouts} is not a multiple of K={k}: the budget B*K "

