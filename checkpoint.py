@@ -170,11 +170,11 @@ def write_config(run_dir, args):
     os.replace(tmp, os.path.join(run_dir, "config.json"))
 
 
-def save_model(folder, model, tok):
-    """A plain save_pretrained model + tokenizer, files readable as the user's umask allows
-    (safetensors writes 0600)."""
+def save_model(folder, model, tok, state_dict=None):
+    """A plain save_pretrained model + tokenizer (of `state_dict` when given: a gathered FSDP
+    model), files readable as the user's umask allows (safetensors writes 0600)."""
     os.makedirs(folder, exist_ok=True)
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, state_dict=state_dict)
     tok.save_pretrained(folder)
     for name in os.listdir(folder):
         os.chmod(os.path.join(folder, name), _umask_mode())
@@ -200,17 +200,19 @@ def load_weights(folder, model, device):
                          f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
 
 
-def save_checkpoint(run_dir, update, model, tok, optimizer, memory, scheduler, keep, args, rng_states):
-    """Write checkpoints/update_NNNNNN atomically; rng_states: rng_state() of every rank, in rank
-    order (one entry without torchrun)."""
+def save_checkpoint(run_dir, update, model, tok, model_state, optim_state, memory, scheduler, keep, args,
+                    rng_states):
+    """Write checkpoints/update_NNNNNN atomically: the model (model_state: its full state dict),
+    the optimizer state, and state.json; rng_states: rng_state() of every rank, in rank order
+    (one entry without torchrun)."""
     import torch
     root = os.path.join(run_dir, "checkpoints")
     final = os.path.join(root, f"update_{update:06d}")
     tmp = os.path.join(root, f".tmp_update_{update:06d}")
     try:
         shutil.rmtree(tmp, ignore_errors=True)
-        save_model(tmp, model, tok)
-        torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+        save_model(tmp, model, tok, model_state)
+        torch.save(optim_state, os.path.join(tmp, "optimizer.pt"))
         state = {"update": update, "memory": memory.state_dict(),
                  "scheduler": scheduler.state_dict(), "rng": rng_states[0], "rng_ranks": rng_states}
         with open(os.path.join(tmp, "state.json"), "w") as fh:
@@ -255,12 +257,11 @@ def remove_stale_temporaries(run_dir):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def load_checkpoint(ckpt, model, optimizer, memory, scheduler, device, dist):
-    """Restore weights, optimizer, graph memory, schedule and this rank's RNG states; returns the
-    update. Resumed on another number of ranks, a rank without a saved stream keeps its seed's."""
+def load_state(ckpt, memory, scheduler, device, dist):
+    """Restore graph memory, schedule and this rank's RNG states from a checkpoint (its weights
+    are loaded with load_weights); returns the optimizer state to load. Resumed on another number
+    of ranks, a rank without a saved stream keeps its seed's."""
     import torch
-    load_weights(ckpt, model, device)
-    optimizer.load_state_dict(torch.load(os.path.join(ckpt, "optimizer.pt"), map_location=device))
     with open(os.path.join(ckpt, "state.json")) as fh:
         state = json.load(fh)
     memory.load_state_dict(state["memory"])
@@ -271,7 +272,7 @@ def load_checkpoint(ckpt, model, optimizer, memory, scheduler, device, dist):
     ranks = state.get("rng_ranks", [state["rng"]])
     if dist.rank < len(ranks):
         set_rng_state(ranks[dist.rank])
-    return state["update"]
+    return torch.load(os.path.join(ckpt, "optimizer.pt"), map_location=device)
 
 
 _TRAJ_HEADER = re.compile(r"^=== update (\d+) \| ")   # a trajectory block of trajectories.txt

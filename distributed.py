@@ -16,6 +16,7 @@ collectives, no wrapper around the model):
   * rank 0 alone writes logs, metrics, trajectories and checkpoints.
 Without torchrun (no WORLD_SIZE in the environment, or 1) every function here is the identity.
 """
+import contextlib
 import datetime
 import os
 
@@ -30,6 +31,7 @@ class Dist:
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.fsdp = False   # set by shard(): then every forward is a collective (lockstep below)
 
     @property
     def main(self):
@@ -67,6 +69,14 @@ class Dist:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def max(self, value):
+        """The largest value of an int over ranks."""
+        if self.world == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
     def sum(self, values):
         """Element-wise sum over ranks of a list of floats."""
         if self.world == 1:
@@ -75,23 +85,87 @@ class Dist:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t.tolist()
 
-    def sum_gradients(self, model):
-        """all_reduce(SUM) of every gradient, flattened into one buffer: each rank's loss is already
-        divided by the global minibatch's token count, so the sum is the global token-mean's
-        gradient. A parameter without a gradient on this rank contributes zeros."""
-        if self.world == 1:
+    def sum_gradients(self, model, bucket=1 << 25):
+        """all_reduce(SUM) of every gradient, in flat buckets of at most `bucket` elements: each
+        rank's loss is already divided by the global minibatch's token count, so the sum is the
+        global token-mean's gradient. A parameter without a gradient on this rank (it had no
+        sample with a signal) contributes zeros."""
+        if self.world == 1 or self.fsdp:   # FSDP reduce-scatters (sums) them in backward itself
             return
         params = [p for p in model.parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-            offset += n
+        start = 0
+        while start < len(params):
+            group, size = [], 0
+            while start < len(params) and (not group or size + params[start].numel() <= bucket):
+                group.append(params[start])
+                size += params[start].numel()
+                start += 1
+            flat = torch.cat([p.grad.reshape(-1) for p in group])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            offset = 0
+            for p in group:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
+
+    def replica_drift(self, model):
+        """The largest difference between ranks of a checksum of the trained weights: 0.0 when
+        every replica holds the same model (logged as replica_drift)."""
+        if self.world == 1 or self.fsdp:   # sharded: each rank holds a different part by design
+            return 0.0
+        checksum = sum(p.detach().double().sum().item() for p in model.parameters() if p.requires_grad)
+        sums = self.gather([checksum])
+        return max(sums) - min(sums)
+
+    # --------------------------------------------------------------------------- FSDP (--fsdp)
+    # Parameters, gradients and optimizer state sharded over the ranks with FSDP2's fully_shard (one
+    # unit per transformer block, plus the root), so a model that does not fit one device trains.
+    # Every forward and backward is then a collective: ranks must run the same number of them, so
+    # train.py pads generate calls (synced_gpus) and micro-batches with zero-weight dummies when
+    # self.fsdp is set. Checkpoints gather the full state on rank 0.
+
+    def shard(self, model):
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+        for layer in model.get_decoder().layers:
+            fully_shard(layer)
+        fully_shard(model)
+        for unit in model.modules():    # each unit reduces its own gradients
+            if isinstance(unit, FSDPModule):
+                unit.set_gradient_divide_factor(1.0)          # sum, not mean: each rank's loss is
+                unit.set_force_sum_reduction_for_comms(True)  # its share of the global token-mean
+        self.fsdp = True
+        return model
+
+    def full_state(self, model, optimizer=None):
+        """(model state, optimizer state) as plain full tensors on rank 0 (None elsewhere); all ranks
+        must call it. Without FSDP: the local state dicts."""
+        if not self.fsdp:   # model None: save_pretrained takes the model's own
+            return None, optimizer.state_dict() if optimizer is not None else None
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state = get_model_state_dict(model, options=options)
+        optim_state = get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None
+        return (model_state, optim_state) if self.main else (None, None)
+
+    def load_optimizer(self, model, optimizer, state):
+        """Load a full optimizer state (from full_state) into a possibly sharded optimizer."""
+        if not self.fsdp:
+            optimizer.load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+    @contextlib.contextmanager
+    def rank_zero_first(self):
+        """Rank 0 runs the block first (e.g. generates the games into the cache), then the others."""
+        if not self.main:
+            self.barrier()
+        yield
+        if self.main:
+            self.barrier()
 
     def barrier(self):
         if self.world > 1:

@@ -17,8 +17,8 @@ import weakref
 from tqdm import tqdm
 
 import alfworld_gen
-from textenv import (ALFWORLD_SHORT_TYPE, ALFWORLD_TASK_TYPES, SUCCESS_REWARD, TaskError,
-                     normalize_action)
+from textenv import (ALFWORLD_DEFAULT_GAMES, ALFWORLD_SHORT_TYPE, ALFWORLD_TASK_TYPES, SUCCESS_REWARD,
+                     TaskError, normalize_action)
 
 # ---------------------------------------------------------------------------------------------
 # ALFWorld on the real engine (docs/ALGORITHM.md "Environments"). The same path as ALFWorld's own
@@ -27,7 +27,8 @@ from textenv import (ALFWORLD_SHORT_TYPE, ALFWORLD_TASK_TYPES, SUCCESS_REWARD, T
 # textworld's grammar parses (the speed-up), state keys, and the 10/0 reward.
 # ---------------------------------------------------------------------------------------------
 SPLITS = ("train", "valid_seen", "valid_unseen")
-DEFAULT_NUM_TRAIN, DEFAULT_NUM_EVAL = 24, 6            # generated default: ~25 s on one core, once
+DEFAULT_NUM_TRAIN, DEFAULT_NUM_EVAL = ALFWORLD_DEFAULT_GAMES   # generated default: ~25 s, once
+STATE_KEYS = ("facts", "obs")
 BANNER = "-= Welcome to TextWorld, ALFRED! =-"
 NOTHING = "Nothing happens."                           # textworld's answer to a non-admissible command
 # Left out of the "facts" key: bookkeeping no precondition or goal reads (look/examine mark things
@@ -88,6 +89,11 @@ def _install_textworld_speedups():
     textgen._tigpo_memo = True
 
 
+def check_state_key(state_key):
+    if state_key not in STATE_KEYS:
+        raise ValueError(f"state_key must be one of {STATE_KEYS}, got {state_key!r}")
+
+
 def _digest(parts):
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
 
@@ -97,13 +103,11 @@ class AlfWorldGame:
     reset() -> (obs, info); step(text) -> (obs, reward, done, info). An action is valid when its
     normalize_action form is admissible; an invalid one is still a step that changes nothing."""
 
-    def __init__(self, gamefile, max_steps=50, state_key="facts", fast=True):
+    def __init__(self, gamefile, max_steps=50, state_key="facts"):
         import textworld
         from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
-        if state_key not in ("facts", "obs"):
-            raise ValueError(f"state_key must be 'facts' or 'obs', got {state_key!r}")
-        if fast:
-            _install_textworld_speedups()
+        check_state_key(state_key)
+        _install_textworld_speedups()
         self.gamefile, self.max_steps, self.state_key = gamefile, max_steps, state_key
         infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"])
         self._tw = textworld.start(gamefile, infos, wrappers=[AlfredDemangler(shuffle=False), AlfredInfos])
@@ -225,8 +229,8 @@ def resolve_alfworld_data(data_dir=None, seed=0, num_train=DEFAULT_NUM_TRAIN, nu
 
 def scene_size(pddl_problem):
     """The number of receptacles in a game's PDDL problem (its scene size): one receptacleType
-    fact each."""
-    return pddl_problem.count("(receptacleType ")
+    fact each in :init (the goal's `(receptacleType ?r ...)` names a variable, not a receptacle)."""
+    return len(re.findall(r"\(receptacleType [^?\s]", pddl_problem))
 
 
 @functools.lru_cache(maxsize=None)
@@ -277,8 +281,7 @@ class AlfWorldEnv:
                  num_eval=DEFAULT_NUM_EVAL):
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-        if state_key not in ("facts", "obs"):
-            raise ValueError(f"state_key must be 'facts' or 'obs', got {state_key!r}")
+        check_state_key(state_key)
         self.types, self.max_receptacles = task_types_of(task_types), max_receptacles
         self.root = resolve_alfworld_data(data_dir, seed, num_train, num_eval, self.types, max_receptacles)
         self.split, self.max_steps, self.state_key = split, max_steps, state_key

@@ -19,6 +19,7 @@ ALFWORLD_TASK_TYPES = {"pick": "pick_and_place_simple", "look": "look_at_obj_in_
                        "heat": "pick_heat_then_place_in_recep",
                        "cool": "pick_cool_then_place_in_recep", "pick2": "pick_two_obj_and_place"}
 ALFWORLD_SHORT_TYPE = {v: k for k, v in ALFWORLD_TASK_TYPES.items()}
+ALFWORLD_DEFAULT_GAMES = (24, 6)   # generated when no data is given: train games, games per eval split
 
 RESPONSE_FORMATS = ("think", "action")
 # The prefill of the "action" format: prompt tokens (never generated, never trained), so a reply

@@ -22,6 +22,7 @@ from typing import Optional
 
 import textenv
 import tigpo
+import webshop
 from checkpoint import DEFAULT_MODEL, UsageError
 
 
@@ -51,7 +52,8 @@ class Args:
     num_games: Optional[str] = arg(None, "generated games (no data given): TRAIN,EVAL = train games, "
                                    "games per eval split", str)
     webshop_url: str = arg("http://127.0.0.1:3000", "WebShop Flask server")
-    webshop_goals: int = arg(12087, "fixed goals the WebShop server has (0-499 test, 500+ train)")
+    webshop_goals: int = arg(webshop.NUM_GOALS, "fixed goals the WebShop server has (the first "
+                             f"{webshop.TEST_GOALS} are the test split)")
     # batch and schedule (E11)
     num_groups: Optional[int] = arg(None, "B: groups per update, revisit slots included", int)
     group_size: Optional[int] = arg(None, "K: rollouts per group", int)
@@ -65,8 +67,8 @@ class Args:
     max_steps: Optional[int] = arg(None, "episode step limit (paper: 50 alfworld, 15 webshop)", int)
     max_new_tokens: Optional[int] = arg(None, "generation limit per step", int)
     history_length: Optional[int] = arg(None, "H: earlier (observation, action) pairs in the prompt", int)
-    state_key: str = arg("facts", "state identity for the graph: exact PDDL facts or observation text",
-                         choices=("facts", "obs"))
+    state_key: str = arg("facts", "state identity for the graph (ALFWorld): exact PDDL facts or "
+                         "observation text", choices=("facts", "obs"))
     num_env_workers: Optional[int] = arg(None, "env worker processes (per rank)", int)
     # advantage (E1-E9)
     norm: str = arg("mean_std", "E1/E3 normalisation; mean = GiGPO 'w/o std'", choices=tigpo.NORMS)
@@ -104,7 +106,9 @@ class Args:
     eval_temperature: float = arg(0.4, "sampling temperature of evaluation")
     eval_every: Optional[int] = arg(None, "evaluate before training, every N updates and at the end; "
                                     "0 = never", int)
-    eval_tasks: Optional[int] = arg(None, "held-out games per eval split; 0 = all", int)
+    eval_tasks: Optional[int] = arg(None, "games per eval split; 0 = all", int)
+    eval_splits: Optional[str] = arg(None, "comma-separated splits to evaluate on (ALFWorld: train, "
+                                     "valid_seen, valid_unseen; WebShop: test)", str)
     seed: int = arg(0, "seeds python, numpy, torch, the envs, the games and the schedule")
     run_dir: Optional[str] = arg(None, "output folder (default runs/<env>-<algo>-seed<seed>)", str)
     resume: bool = arg(False, "continue the run in --run-dir from its last checkpoint")
@@ -116,6 +120,8 @@ class Args:
                                 "and the advantages the loss saw")
     track: bool = arg(False, "log to Weights & Biases (needs `pip install wandb`)")
     device: str = arg("auto", "auto = cuda when available", choices=("auto", "cpu", "cuda"))
+    fsdp: bool = arg(False, "under torchrun: shard parameters, gradients and optimizer state over the "
+                     "ranks (FSDP2 fully_shard) instead of a replica per rank")
 
 
 # The two settings of docs/ALGORITHM.md "Trainer defaults". cpu: SmolLM2-135M learns, visibly, on
@@ -123,23 +129,25 @@ class Args:
 # scenes, 4-5 step walkthroughs), the action response format, a horizon with room to spare.
 PRESETS = {
     "paper": dict(model="Qwen/Qwen2.5-1.5B-Instruct", response_format="think", task_types="all",
-                  max_receptacles=0, num_games="24,6", num_groups=16, group_size=4,
+                  max_receptacles=0, num_games="%d,%d" % textenv.ALFWORLD_DEFAULT_GAMES, num_groups=16, group_size=4,
                   revisit_groups=8, revisit_delay=10, updates=250, max_new_tokens=512,
                   history_length=2, num_env_workers=16, lr=1e-6, weight_decay=0.01, kl_coef=0.01,
                   temperature=1.0, minibatch_size=256, token_budget=16384, gen_batch_size=64,
                   eval_every=25, eval_tasks=0, save_every=25, keep_checkpoints=2, trainable_layers=0,
                   warmup_epochs=0),
     "cpu": dict(model=DEFAULT_MODEL, response_format="action", task_types="pick,look",
-                max_receptacles=9, num_games="16,6", num_groups=2, group_size=4, revisit_groups=1,
-                revisit_delay=1, updates=6, max_steps=8, max_new_tokens=16, history_length=1,
-                num_env_workers=2, lr=1e-5, weight_decay=0.01, kl_coef=0.0, temperature=0.7,
+                max_receptacles=9, num_games="4,6", num_groups=2, group_size=4, revisit_groups=1,
+                revisit_delay=1, updates=6, max_steps=7, max_new_tokens=16, history_length=1,
+                num_env_workers=2, lr=2e-5, weight_decay=0.01, kl_coef=0.0, temperature=0.4,
                 minibatch_size=0, token_budget=4096, gen_batch_size=32, eval_every=6, eval_tasks=0,
-                save_every=6, keep_checkpoints=1, trainable_layers=8, warmup_epochs=1),
+                save_every=6, keep_checkpoints=1, trainable_layers=8, warmup_epochs=2),
 }
-ENV_DEFAULTS = {"alfworld": dict(max_steps=50, graph_gamma=0.10),
-                "webshop": dict(max_steps=15, graph_gamma=0.20)}
+ENV_DEFAULTS = {"alfworld": dict(max_steps=50, graph_gamma=0.10, eval_splits="valid_seen,valid_unseen"),
+                "webshop": dict(max_steps=15, graph_gamma=0.20, eval_splits="test")}
+# The cpu preset on ALFWorld also evaluates on its (few) training games: the clearest before/after.
+PRESET_ENV_DEFAULTS = {("cpu", "alfworld"): dict(eval_splits="train,valid_seen,valid_unseen")}
 # Flags that may change when a run is resumed; every other field must match the saved run.
-RESUMABLE = {"updates", "resume", "save_every", "eval_every", "eval_tasks", "num_env_workers",
+RESUMABLE = {"eval_splits", "updates", "resume", "save_every", "eval_every", "eval_tasks", "num_env_workers",
              "keep_checkpoints", "log_trajectories", "dump_advantages", "track", "device",
              "token_budget", "logit_chunk", "gen_batch_size", "data_dir", "webshop_url"}
 
@@ -192,6 +200,8 @@ def parse_args(argv):
                          f"another --run-dir")
     if args.algo != "tigpo" and explicit.get("revisit_groups"):
         raise UsageError(f"--revisit-groups needs --algo tigpo ({args.algo} explores only); drop it")
+    if args.fsdp and int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        raise UsageError("--fsdp shards over ranks: launch with torchrun --nproc_per_node N (N >= 2)")
     if args.track and __import__("importlib").util.find_spec("wandb") is None:
         raise UsageError("--track needs Weights & Biases: pip install wandb (or drop --track)")
     if args.data_dir and not os.path.isdir(os.path.expanduser(args.data_dir)):
@@ -236,7 +246,8 @@ def resolve_presets(args, cuda_available):
         raise UsageError("--device cuda but no CUDA device is visible; use --device auto or cpu")
     cuda = cuda_available and args.device != "cpu"
     preset = args.preset if args.preset != "auto" else ("paper" if cuda else "cpu")
-    for k, v in {**ENV_DEFAULTS[args.env], **PRESETS[preset]}.items():   # the preset beats the env
+    defaults = {**ENV_DEFAULTS[args.env], **PRESETS[preset], **PRESET_ENV_DEFAULTS.get((preset, args.env), {})}
+    for k, v in defaults.items():   # the preset beats the env
         if getattr(args, k) is None:
             setattr(args, k, v)
     if args.precision is None:
@@ -246,6 +257,9 @@ def resolve_presets(args, cuda_available):
     why = f" (auto: {'a' if cuda else 'no'} CUDA device)" if args.preset == "auto" else ""
     args.preset = preset
     check_values(args)
+    known = {"alfworld": ("train", "valid_seen", "valid_unseen"), "webshop": ("train", "test")}[args.env]
+    if not set(args.eval_splits.split(",")) <= set(known):
+        raise UsageError(f"--eval-splits {args.eval_splits}: {args.env} has the splits {','.join(known)}")
     return f"preset {preset}{why}; explicit flags override it"
 
 
@@ -330,15 +344,20 @@ def trim_response(ids, tok, end_ids):
 
 
 @torch.no_grad()
-def generate(model, tok, prompt_ids, args, temperature, device):
+def generate(model, tok, prompt_ids, args, temperature, device, dist=None):
     """Sample one reply per prompt in batched, left-padded generate calls (KV cache).
-    Returns (reply texts, response ids); a reply of the "action" format starts with the prefill."""
+    Returns (reply texts, response ids); a reply of the "action" format starts with the prefill.
+    Under FSDP every rank makes as many calls (dummy prompts fill in) and they run in step."""
+    lockstep = dist is not None and dist.fsdp
     prefill = textenv.ACTION_PREFILL if args.response_format == "action" else ""
     eos = model.generation_config.eos_token_id
     end_ids = {tok.pad_token_id, tok.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
     texts, responses = [], []
-    for lo in range(0, len(prompt_ids), args.gen_batch_size):
-        rows = prompt_ids[lo:lo + args.gen_batch_size]
+    chunks = [prompt_ids[lo:lo + args.gen_batch_size] for lo in range(0, len(prompt_ids), args.gen_batch_size)]
+    real = len(chunks)
+    if lockstep:
+        chunks += [[[tok.eos_token_id]]] * (dist.max(real) - real)
+    for c, rows in enumerate(chunks):
         width = max(map(len, rows))
         ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in rows], device=device)
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
@@ -348,7 +367,9 @@ def generate(model, tok, prompt_ids, args, temperature, device):
             out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True,
                                  temperature=temperature, top_p=1.0, top_k=0, repetition_penalty=1.0,
                                  max_new_tokens=args.max_new_tokens, stop_strings=[textenv.ACTION_END],
-                                 tokenizer=tok, pad_token_id=tok.pad_token_id)
+                                 tokenizer=tok, pad_token_id=tok.pad_token_id, synced_gpus=lockstep)
+        if c >= real:
+            continue                                            # a dummy call: nothing to keep
         for row in out[:, width:].tolist():                     # (n, <= max_new_tokens)
             resp = trim_response(row, tok, end_ids)
             responses.append(resp)
@@ -356,7 +377,7 @@ def generate(model, tok, prompt_ids, args, temperature, device):
     return texts, responses
 
 
-def run_episodes(pool, tasks, model, tok, args, temperature, device, desc, show=True):
+def run_episodes(pool, tasks, model, tok, args, temperature, device, desc, show=True, dist=None):
     """Play one episode per task in the pool, generating for every active env at every step.
     Returns (trajs, samples, stats): a traj holds what compute_advantages reads (states, valid,
     score, success) plus text for the log; a sample is one env step (prompt ids, response ids,
@@ -375,7 +396,10 @@ def run_episodes(pool, tasks, model, tok, args, temperature, device, desc, show=
     samples, stats = [], {"gen_tokens": 0, "gen_s": 0.0, "truncated_prompts": 0}
     for step in tqdm(range(args.max_steps), desc=desc, leave=False, dynamic_ncols=True, disable=not show):
         active = [i for i in range(n) if not done[i]]
-        if not active:
+        if dist is not None and dist.fsdp:     # generate in step with the ranks still playing
+            if dist.max(len(active)) == 0:
+                break
+        elif not active:
             break
         prompts = []
         for i in active:
@@ -384,7 +408,7 @@ def run_episodes(pool, tasks, model, tok, args, temperature, device, desc, show=
             prompts.append(ids)
             stats["truncated_prompts"] += cut
         t0 = time.time()
-        replies, responses = generate(model, tok, prompts, args, temperature, device)
+        replies, responses = generate(model, tok, prompts, args, temperature, device, dist)
         stats["gen_s"] += time.time() - t0
         stats["gen_tokens"] += sum(map(len, responses))
         actions, parsed = [None] * n, {}    # None = leave that env alone (finished)
@@ -447,9 +471,11 @@ def response_logprobs(model, batch, temperature, device, precision="fp32", chunk
     # Positions from the mask, as generate computes them, so left padding does not shift RoPE.
     position_ids = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
     with autocast(device, precision):
-        hidden = model.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                     position_ids=position_ids, use_cache=False).last_hidden_state
-    hidden = hidden[:, -R - 1:-1]                # (n, R, H): column j predicts token L-R+j
+        # Through the model's own forward (so FSDP's hooks run), keeping 1 position of its logits;
+        # the last hidden state (after the final norm) is what the head needs.
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    position_ids=position_ids, use_cache=False, logits_to_keep=1, output_hidden_states=True)
+    hidden = out.hidden_states[-1][:, -R - 1:-1]  # (n, R, H): column j predicts token L-R+j
     targets = batch["input_ids"][:, -R:]          # (n, R)
     head = model.get_output_embeddings()
     step = max(1, chunk_tokens // n)
@@ -508,6 +534,17 @@ def micro_batches(indices, samples, token_budget):
     return batches
 
 
+DUMMY = [{"prompt_ids": [0], "response_ids": [0]}]   # the one-token sample of an FSDP dummy micro-batch
+
+
+def lockstep(plan, dist):
+    """Under FSDP every forward and backward is a collective, so each rank runs as many
+    micro-batches per optimizer step as the busiest rank: the others get dummies (None)."""
+    if not dist.fsdp:
+        return plan
+    return [(n, mbs + [None] * (dist.max(len(mbs)) - len(mbs))) for n, mbs in plan]
+
+
 def update_policy(model, ref_model, optimizer, samples, args, device, dist, generator, show=True):
     """E12 over this update's samples (one env step each, advantage attached): one epoch of
     minibatches of args.minibatch_size samples (0 = all in one), each an optimizer step whose loss
@@ -533,12 +570,13 @@ def update_policy(model, ref_model, optimizer, samples, args, device, dist, gene
                 continue
             mine = [i for i in mine if samples[i]["advantage"] != 0.0]
         plan.append((sum(m[4] for m in members), micro_batches(mine, samples, args.token_budget)))
+    pad = model.generation_config.pad_token_id
+    plan = lockstep(plan, dist)
     micros = [m for _, mbs in plan for m in mbs]
     if args.dump_advantages:                    # what each sample's loss term was weighted by
         for s in samples:
             s["loss_advantage"] = 0.0
-    pad = model.generation_config.pad_token_id
-    batches = {id(m): collate([samples[i] for i in m], pad, device) for m in micros}
+    batches = {id(m): collate([samples[i] for i in m] if m else DUMMY, pad, device) for m in micros}
 
     def logprobs(net, micro):
         return response_logprobs(net, batches[id(micro)], args.temperature, device, args.precision,
@@ -561,20 +599,23 @@ def update_policy(model, ref_model, optimizer, samples, args, device, dist, gene
         for micro in mbs:
             logp = logprobs(model, micro)                                           # (n, R)
             batch_mask = batches[id(micro)]["resp_mask"]
-            adv = torch.tensor([[samples[i]["advantage"]] for i in micro], device=device)   # (n, 1)
+            adv = torch.tensor([[samples[i]["advantage"]] for i in micro] if micro else [[0.0]],
+                               device=device)                                                     # (n, 1)
             old_logp = logp.detach() if single_step else old[id(micro)]
             if step == 0:   # |rho - 1| before any step: 0 when pi_old is right
                 dev = ((logp.detach() - old_logp).exp() - 1).abs() * batch_mask
                 first_dev = max(first_dev, dev.max().item())
             loss, st = policy_loss(logp, old_logp, ref.get(id(micro)), adv, batch_mask,
                                    args.clip_eps, args.kl_coef, num_tokens)
+            if micro is None:                        # an FSDP dummy: the collectives, weight 0
+                loss, st = loss * 0.0, dict.fromkeys(st, 0.0)
             if step == 0:
                 first_clip += st["clip_frac"]
             loss.backward()
             totals["loss"] += loss.item()
             for k in ("pg_loss", "kl", "clip_frac"):
                 totals[k] += st[k]
-            if args.dump_advantages:
+            if args.dump_advantages and micro:
                 for i, a in zip(micro, adv[:, 0].tolist()):
                     samples[i]["loss_advantage"] = a
             bar.update()
@@ -656,10 +697,13 @@ def warm_start(model, tok, args, device, dist, show=True):
             mine = [i for k, i in enumerate(members) if k % dist.world == dist.rank]
             num_tokens = sum(len(samples[i]["response_ids"]) for i in members)
             optimizer.zero_grad(set_to_none=True)
-            for micro in micro_batches(mine, samples, args.token_budget):
-                batch = collate([samples[i] for i in micro], pad, device)
+            [(_, micros)] = lockstep([(num_tokens, micro_batches(mine, samples, args.token_budget))], dist)
+            for micro in micros:
+                batch = collate([samples[i] for i in micro] if micro else DUMMY, pad, device)
                 logp = response_logprobs(model, batch, 1.0, device, args.precision, args.logit_chunk)
                 loss = -torch.where(batch["resp_mask"] > 0, logp, 0.0).sum() / num_tokens
+                if micro is None:                    # an FSDP dummy: the collectives, weight 0
+                    loss = loss * 0.0
                 loss.backward()
                 total += loss.item() * num_tokens
             dist.sum_gradients(model)
@@ -677,7 +721,7 @@ def warm_start(model, tok, args, device, dist, show=True):
 # ================================================================================================
 
 def eval_splits(args):
-    return ("valid_seen", "valid_unseen") if args.env == "alfworld" else ("test",)
+    return tuple(args.eval_splits.split(","))
 
 
 def evaluate(args, model, tok, device, dist, seed, show=True):
@@ -693,7 +737,7 @@ def evaluate(args, model, tok, device, dist, seed, show=True):
             tasks = tasks[:args.eval_tasks or None]
             mine = [tasks[i] for i in dist.share(len(tasks))]
             trajs, _, _ = run_episodes(pool, mine, model, tok, args, args.eval_temperature, device,
-                                       f"eval {split}", show)
+                                       f"eval {split}", show, dist)
             pool.close()
             trajs = dist.gather([{k: t[k] for k in ("success", "score", "valid", "task_type")} for t in trajs])
             metrics.update(summarize(trajs, prefix=f"eval/{split}/"))
@@ -724,84 +768,12 @@ def main(argv=None, parsed=None):
 
 
 def run(args, resuming):
-    # ---------------------------------------------------------------------------- setup
     dist = Dist()
-    cuda = torch.cuda.is_available() and args.device != "cpu"
-    if not resuming:
-        note = resolve_presets(args, torch.cuda.is_available())
-    ckpt, start = checkpoint.last_checkpoint(args.run_dir) if resuming else (None, 0)
-    if resuming and ckpt is None:
-        raise UsageError(f"--resume: {args.run_dir} has no checkpoint; start anew without --resume in a "
-                         f"new --run-dir")
-    if resuming and start >= args.updates:
-        print(f"{args.run_dir} is complete: its last checkpoint is update {start} of --updates "
-              f"{args.updates}. To train on, resume with a larger --updates, e.g. --updates {start + args.updates}")
+    setup = build(args, resuming, dist)
+    if setup is None:                          # a finished run, resumed: nothing to do
         return
-    checkpoint.check_model_arg(args.model)      # before minutes of game generation
-    device = torch.device(f"cuda:{dist.local_rank}" if cuda else "cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.start(device.type)
-    say = print if dist.main else (lambda *a, **k: None)
-    say(f"resuming {args.run_dir} with the settings of its config.json" if resuming else note)
-    say(f"{args.algo} on {args.env}, {device.type} x {dist.world}: B={args.num_groups} (revisit <= "
-        f"{args.revisit_groups}, delay {args.revisit_delay}) x K={args.group_size}, {args.updates} updates, "
-        f"max_steps {args.max_steps}, response format {args.response_format}, model {args.model}")
-
-    # One seeding block: python, numpy, torch (per rank: each rank samples its own episodes); the
-    # envs, the games and the schedule get args.seed itself, so every rank makes the same plan.
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed + dist.rank)
-
-    try:       # the environment first: a bad data dir fails before minutes of model loading
-        pool, train_tasks = make_pool(args, "train")
-    except (ValueError, OSError, RuntimeError) as e:   # a broken data dir, no WebShop server
-        raise UsageError(f"cannot start the {args.env} environment: {e}") from e
-
-    model, tok, source = checkpoint.load_model(args.model)
-    say(f"model {args.model} loaded from {source}")
-    if not tok.chat_template:
-        raise UsageError(f"--model {args.model} has no chat template (a base model?): use an instruct model")
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    model.generation_config.pad_token_id = tok.pad_token_id
-    context = getattr(model.config, "max_position_embeddings", None)
-    if context and args.max_new_tokens >= context:
-        raise UsageError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the "
-                         f"model's context of {context} tokens")
-    # fp32 master weights on every device: at lr 1e-6 bf16 weights do not move (the step is below
-    # bf16 resolution); --precision bf16 runs the forward under autocast instead.
-    model.to(device).eval()
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    params = freeze_below(model, args.trainable_layers)
-    log = RunLog(args, dist, resuming, start) if dist.main else None   # the run folder starts here
-    warm_dir = os.path.join(args.run_dir, "warmstart")
-    if args.warmup_epochs and start == 0:
-        t0 = time.time()
-        loss = warm_start(model, tok, args, device, dist, dist.main)
-        say(f"warm start: {args.warmup_epochs} epoch(s) on the training games' walkthroughs, loss {loss:.3f}, "
-            f"{time.time() - t0:.0f}s")
-    # The KL reference is the policy before RL (after the warm start), frozen, fp32 like the policy
-    # (a bf16 copy would differ from pi_theta at update 1). A resumed run reloads it: --model, or
-    # the warm-started weights kept in run_dir/warmstart.
-    ref_model = None
-    if args.kl_coef > 0:
-        import copy
-        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-        if args.warmup_epochs and start > 0:
-            checkpoint.load_weights(warm_dir, ref_model, device)
-        elif args.warmup_epochs and dist.main:
-            checkpoint.save_model(warm_dir, model, tok)
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    memory = tigpo.GraphMemory(max_edges_per_task=args.max_edges_per_task)
-    scheduler = tigpo.RevisitScheduler(train_tasks, args.num_groups, args.revisit_groups, args.revisit_delay,
-                                       seed=args.seed)
-    if ckpt:
-        checkpoint.load_checkpoint(ckpt, model, optimizer, memory, scheduler, device, dist)
-        say(f"resumed from {ckpt} at update {start}")
-    if start == 0 and args.eval_every:          # "before": the untrained model on held-out games
+    pool, model, ref_model, tok, optimizer, memory, scheduler, log, start, device = setup
+    if start == 0 and args.eval_every:          # "before": the policy before RL, on held-out games
         metrics = {"update": 0, **evaluate(args, model, tok, device, dist, args.seed, dist.main)}
         log and log.write(metrics, plan=None, trajs=[], advantages=[])
 
@@ -814,7 +786,7 @@ def run(args, resuming):
         tasks = [slot["task"] for slot in plan for _ in range(K)]
         mine = dist.share(len(tasks))                         # this rank's episodes (all of them alone)
         trajs, samples, gen = run_episodes(pool, [tasks[i] for i in mine], model, tok, args,
-                                           args.temperature, device, f"rollout {update}", dist.main)
+                                           args.temperature, device, f"rollout {update}", dist.main, dist)
         for s in samples:
             s["traj"] += mine.start                           # index into the whole batch
         trajs = dist.gather(trajs)
@@ -848,12 +820,14 @@ def run(args, resuming):
             metrics.update(evaluate(args, model, tok, device, dist, args.seed + 1000003 * update, dist.main))
 
         # ------------------------------------------------------------------------ log and checkpoint
+        drift = dist.replica_drift(model)                     # 0.0: every rank holds the same weights
         gen_tokens, gen_s, truncated = dist.sum([gen["gen_tokens"], gen["gen_s"], gen["truncated_prompts"]])
         tokens = dist.sum([sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)])[0]
         metrics.update(behaviour(trajs), **stats, **graph_metrics(graph_stats, memory),
                        **zero_advantage(advantages),
                        revisits=sum(slot["kind"] == "revisit" for slot in plan),
                        num_samples=int(dist.sum([len(samples)])[0]), truncated_prompts=int(truncated),
+                       **({"replica_drift": drift} if dist.world > 1 else {}),
                        rollout_s=rollout_s, adv_s=adv_s, update_s=update_s,
                        gen_tokens_per_s=gen_tokens / max(gen_s, 1e-9) * dist.world,
                        update_tokens_per_s=tokens / max(update_s, 1e-9))
@@ -861,14 +835,124 @@ def run(args, resuming):
             log.write(metrics, plan, trajs, advantages)
         if update % args.save_every == 0 or update == args.updates:
             states = dist.gather([checkpoint.rng_state()])    # each rank's sampling stream
+            model_state, optim_state = dist.full_state(model, optimizer)
             if dist.main:
-                checkpoint.save_checkpoint(args.run_dir, update, model, tok, optimizer, memory, scheduler,
-                                           args.keep_checkpoints, args, states)
+                checkpoint.save_checkpoint(args.run_dir, update, model, tok, model_state, optim_state, memory,
+                                           scheduler, args.keep_checkpoints, args, states)
             dist.barrier()
     pool.close()
     if log:
         log.close()
     dist.stop()
+
+
+# ================================================================================================
+# Setup: checks, seeding, envs, model (+ warm start, reference, FSDP), optimizer, memory, resume
+# ================================================================================================
+
+def build(args, resuming, dist):
+    """Everything run() needs, in the order that lets bad input fail before slow work. Returns
+    None for a finished run that was resumed."""
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    if not resuming:
+        note = resolve_presets(args, torch.cuda.is_available())
+    ckpt, start = checkpoint.last_checkpoint(args.run_dir) if resuming else (None, 0)
+    if resuming and ckpt is None:
+        raise UsageError(f"--resume: {args.run_dir} has no checkpoint; start anew without --resume in a "
+                         f"new --run-dir")
+    if resuming and start >= args.updates:
+        if dist.main:
+            print(f"{args.run_dir} is complete: its last checkpoint is update {start} of --updates "
+                  f"{args.updates}. To train on, resume with a larger --updates, e.g. --updates "
+                  f"{start + args.updates}")
+        return None
+    checkpoint.check_model_arg(args.model)      # before minutes of game generation
+    device = torch.device(f"cuda:{dist.local_rank}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.start(device.type)
+    say = print if dist.main else (lambda *a, **k: None)
+    say(f"resuming {args.run_dir} with the settings of its config.json" if resuming else note)
+    say(f"{args.algo} on {args.env}, {device.type} x {dist.world}: B={args.num_groups} (revisit <= "
+        f"{args.revisit_groups}, delay {args.revisit_delay}) x K={args.group_size}, {args.updates} updates, "
+        f"max_steps {args.max_steps}, response format {args.response_format}, model {args.model}")
+
+    # One seeding block: python, numpy, torch (per rank: each rank samples its own episodes); the
+    # envs, the games and the schedule get args.seed itself, so every rank makes the same plan.
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed + dist.rank)
+
+    try:       # the environment first: a bad data dir fails before minutes of model loading
+        with dist.rank_zero_first():                  # games are generated once, by rank 0
+            pool, train_tasks = make_pool(args, "train")
+    except (ValueError, OSError, RuntimeError) as e:   # a broken data dir, no WebShop server
+        raise UsageError(f"cannot start the {args.env} environment: {e}") from e
+
+    model, tok, source = load_policy(args, device, say)
+    log = RunLog(args, dist, resuming, start) if dist.main else None   # the run folder starts here
+    if ckpt:
+        checkpoint.load_weights(ckpt, model, device)                   # before FSDP shards them
+    params = freeze_below(model, args.trainable_layers)
+    if args.fsdp:
+        dist.shard(model)                          # parameters, gradients, optimizer state
+    warm_dir = os.path.join(args.run_dir, "warmstart")
+    if args.warmup_epochs and start == 0:
+        t0 = time.time()
+        loss = warm_start(model, tok, args, device, dist, dist.main)
+        say(f"warm start: {args.warmup_epochs} epoch(s) on the training games' walkthroughs, loss {loss:.3f}, "
+            f"{time.time() - t0:.0f}s")
+        if args.kl_coef > 0:                       # the KL reference of a resumed run
+            state, _ = dist.full_state(model)
+            if dist.main:
+                checkpoint.save_model(warm_dir, model, tok, state)
+    # The KL reference is the policy before RL (after the warm start), frozen, fp32 like the policy
+    # (a bf16 copy would differ from pi_theta at update 1).
+    ref_model = None
+    if args.kl_coef > 0:
+        if args.fsdp or start > 0:                 # a fresh copy: --model, or the warm-started weights
+            ref_model, _, _ = load_policy(args, device, say=None)
+            if args.warmup_epochs:
+                checkpoint.load_weights(warm_dir, ref_model, device)
+            if args.fsdp:
+                dist.shard(ref_model)
+        else:
+            import copy
+            ref_model = copy.deepcopy(model)
+        ref_model.eval().requires_grad_(False)
+    optimizer = torch.optim.AdamW(params if not args.fsdp else [p for p in model.parameters() if p.requires_grad],
+                                  lr=args.lr, weight_decay=args.weight_decay)
+    memory = tigpo.GraphMemory(max_edges_per_task=args.max_edges_per_task)
+    scheduler = tigpo.RevisitScheduler(train_tasks, args.num_groups, args.revisit_groups, args.revisit_delay,
+                                       seed=args.seed)
+    if ckpt:
+        optim_state = checkpoint.load_state(ckpt, memory, scheduler, device, dist)
+        dist.load_optimizer(model, optimizer, optim_state)
+        say(f"resumed from {ckpt} at update {start}")
+    return pool, model, ref_model, tok, optimizer, memory, scheduler, log, start, device
+
+
+def load_policy(args, device, say):
+    """The model and tokenizer of --model, fp32 on `device`, checked for a chat template and a
+    context that leaves room for --max-new-tokens."""
+    model, tok, source = checkpoint.load_model(args.model)
+    if say:
+        say(f"model {args.model} loaded from {source}")
+    if not tok.chat_template:
+        raise UsageError(f"--model {args.model} has no chat template (a base model?): use an instruct model")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model.generation_config.pad_token_id = tok.pad_token_id
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context and args.max_new_tokens >= context:
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the "
+                         f"model's context of {context} tokens")
+    # fp32 master weights on every device: at lr 1e-6 bf16 weights do not move (the step is below
+    # bf16 resolution); --precision bf16 runs the forward under autocast instead.
+    model.to(device).eval()
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    return model, tok, source
 
 
 def attach_advantages(samples, advantages, group_size):
@@ -902,7 +986,6 @@ def make_pool(args, split):
         # The real server loads its products inside its first request (minutes): make that request
         # once here, with a long timeout, before B*K workers each time out on it. No server listening
         # fails here, clearly, within seconds.
-        import webshop
         webshop.warm_up(args.webshop_url)
         kw = dict(url=args.webshop_url, split=split, max_steps=args.max_steps, seed=args.seed,
                   num_goals=args.webshop_goals)

@@ -24,9 +24,8 @@ from textenv import SUCCESS_REWARD, TaskError, normalize_action
 NUM_GOALS = 12087   # WebShop's human instructions (paper: 10,587 train + 1,000 dev + 500 test)
 TEST_GOALS = 500    # goals 0-499: the standard test set; 500+: training (verl-agent, GiGPO)
 SUB_PAGES = ("Description", "Features", "Reviews", "Attributes")  # engine.ACTION_TO_TEMPLATE
-START_HINT = ("start the real server in a WebShop checkout with `./run_dev.sh` (or `python -m "
-              "web_agent_site.app --log --attrs`); it listens on port 3000, so pass "
-              "url='http://127.0.0.1:3000' (train.py --webshop-url)")
+START_HINT = ("start it in a WebShop checkout with ./run_dev.sh (or python -m web_agent_site.app "
+              "--log --attrs), or point --webshop-url at a running one")
 
 
 # The real app's routes (app.py) and their arguments after the session, in URL order.
@@ -208,8 +207,8 @@ class WebShopEnv:
         fix = (f"the real app loads its products on its first request (minutes for the full set): "
                f"call webshop.warm_up(url) once first, or raise timeout={self.timeout}"
                if slow else START_HINT)
-        raise WebShopUnreachable(f"No answer from the WebShop server at {self.url} ({url}) after "
-                                 f"{self.retries + 1} tries, last: {failure}. To fix: {fix}.")
+        raise WebShopUnreachable(f"no WebShop server answers at {self.url} ({self.retries + 1} tries, "
+                                 f"last: {failure.split(':')[0]}): {fix}")
 
     def _path(self, page):
         """The real app's URL of a page: /<route>/<session>/<args in ROUTES order>, or /<session>

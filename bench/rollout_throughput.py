@@ -1,6 +1,6 @@
 """bench/rollout_throughput.py: rollout and update speed of train.py's code paths on this machine.
 
-Measures, with SmolLM2-135M-Instruct by default (train.load_model: HF cache/hub, else the GGUF):
+Measures, with SmolLM2-135M-Instruct by default (checkpoint.load_model: HF cache/hub, else the GGUF):
   * generation tokens/s for P ALFWorld-style step prompts in one batched generate call (KV cache,
     left padding) vs the same prompts one at a time; the ratio is why train.py batches every step.
     Reported end to end and for decoding alone (minus the prompt prefill, timed as one forward):
@@ -20,7 +20,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import envs    # noqa: E402
+import checkpoint  # noqa: E402
+import textenv  # noqa: E402
 import train   # noqa: E402
 
 PLACES = ["cabinet", "drawer", "countertop", "shelf", "sidetable", "fridge", "microwave", "sinkbasin"]
@@ -34,7 +35,7 @@ def step_prompts(n):
         admissible = [f"go to {s[2:]}" for s in seen] + ["inventory", "look"]
         history = [(f"You arrive at {seen[i % len(seen)][2:]}. On it, you see nothing.", admissible[i % 5])]
         obs = "You are in the middle of a room. Looking quickly around you, you see " + ", ".join(seen) + "."
-        prompts.append(envs.build_prompt(f"put a clean mug {i + 1} in the coffeemachine.", history, obs,
+        prompts.append(textenv.build_prompt(f"put a clean mug {i + 1} in the coffeemachine.", history, obs,
                                          admissible, "alfworld"))
     return prompts
 
@@ -63,14 +64,14 @@ def timed_generate(model, tok, chats, new_tokens, device):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=train.DEFAULT_MODEL, help="HF name or local directory")
+    p.add_argument("--model", default=checkpoint.DEFAULT_MODEL, help="HF name or local directory")
     p.add_argument("--prompts", type=int, default=8, help="prompts per batch")
     p.add_argument("--new-tokens", type=int, default=48, help="tokens generated per prompt")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     args = p.parse_args()
     device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    model, tok, source = train.load_model(args.model)
+    model, tok, source = checkpoint.load_model(args.model)
     model.to(device).eval()
     tok.padding_side = "left"
     if tok.pad_token is None:

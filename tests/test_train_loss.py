@@ -138,3 +138,103 @@ def test_left_padded_batch_logprobs_equal_single_sample_logprobs():
             full = torch.log_softmax(model(ids).logits[0, :-1], -1)
             want = full[len(s["prompt_ids"]) - 1:].gather(-1, ids[0, len(s["prompt_ids"]):, None])[:, 0]
             assert torch.allclose(alone, want, atol=1e-5)
+
+
+def old_policy_loss(logp, old, ref, adv, mask, clip, beta, num_tokens):
+    """The E12 loss as it was before padded columns were masked out (the reference numbers)."""
+    ratio = torch.exp(logp - old)
+    pg = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip, 1 + clip))
+    r = ref - logp
+    kl = torch.expm1(r) - r
+    return ((pg + beta * kl) * mask).sum() / num_tokens
+
+
+def test_padded_columns_holding_minus_200_give_a_finite_loss_and_gradient():
+    # left padding: column 0 of row 0 is a prompt token (logp -200 there), old/ref hold 0
+    logp = torch.tensor([[-200.0, -0.5, -0.2], [-0.3, -0.4, -0.1]], requires_grad=True)
+    old = torch.tensor([[0.0, -0.5, -0.25], [-0.3, -0.35, -0.1]])
+    ref = torch.tensor([[0.0, -0.6, -0.2], [-0.2, -0.4, -0.3]])
+    mask = torch.tensor([[0.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    adv = torch.tensor([[1.5], [-0.7]])
+    loss, st = train.policy_loss(logp, old, ref, adv, mask, 0.2, 0.01, mask.sum())
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    assert logp.grad[0, 0] == 0.0 and all(math.isfinite(v) for v in st.values())
+    # the unmasked formula overflows there: k3 = exp(0 - (-200)) = inf, and inf * 0 = NaN
+    assert torch.isnan(old_policy_loss(logp.detach(), old, ref, adv, mask, 0.2, 0.01, mask.sum()))
+
+
+def test_masking_changes_nothing_on_a_normal_batch():
+    torch.manual_seed(0)
+    logp = -torch.rand(4, 6)
+    old = logp + 0.05 * torch.randn(4, 6)
+    ref = logp + 0.05 * torch.randn(4, 6)
+    mask = (torch.arange(6) >= torch.tensor([[0], [2], [3], [5]])).float()
+    logp, old, ref = (torch.where(mask > 0, x, -0.5) for x in (logp, old, ref))   # sane padding
+    adv = torch.randn(4, 1)
+    new, _ = train.policy_loss(logp, old, ref, adv, mask, 0.2, 0.01, mask.sum())
+    assert abs(new.item() - old_policy_loss(logp, old, ref, adv, mask, 0.2, 0.01, mask.sum()).item()) < 1e-6
+
+
+def tiny_llama(vocab=50, positions=2048):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=positions))
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 10_000])
+def test_chunked_logprobs_and_gradients_equal_the_full_logits(chunk):
+    model = tiny_llama()
+    samples = [{"prompt_ids": [5, 6, 7, 8, 9], "response_ids": [10, 11, 12]},
+               {"prompt_ids": [3], "response_ids": [12, 13, 14, 15, 16, 17]}]
+    cpu = torch.device("cpu")
+    batch = train.collate(samples, pad_id=0, device=cpu)
+    got = train.response_logprobs(model, batch, 0.7, cpu, "fp32", chunk)
+    (got * batch["resp_mask"]).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    R = batch["resp_mask"].shape[1]
+    position_ids = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=position_ids).logits[:, -R - 1:-1] / 0.7
+    want = logits.log_softmax(-1).gather(-1, batch["input_ids"][:, -R:, None])[..., 0]
+    (want * batch["resp_mask"]).sum().backward()
+    assert torch.allclose(got, want, atol=1e-5)
+    assert all(torch.allclose(g, p.grad, atol=1e-5) for g, p in zip(grads, model.parameters()))
+
+
+class WordTok:
+    """A tokenizer of one token per whitespace word, with a chat template of two tokens."""
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return "<user> " + messages[0]["content"] + " <assistant>"
+
+    def __call__(self, text, add_special_tokens=False):
+        class Out:
+            input_ids = [hash(w) % 1000 for w in text.split()]
+        return Out()
+
+
+def test_a_long_prompt_is_fitted_to_the_context_by_the_stated_policy():
+    args, _ = train.parse_args(["--run-dir", "/nonexistent/run", "--response-format", "action"])
+    train.resolve_presets(args, cuda_available=False)
+    tok = WordTok()
+    history = [("old obs " * 20, "go to a"), ("recent obs " * 20, "go to b")]
+    obs = "word " * 200
+    actions = ["go to desk 1", "take mug 1 from desk 1", "look"]
+    full, cut = train.fit_prompt(tok, "put a mug in desk", history, obs, actions, args, None)
+    assert not cut and len(full) > 300
+    # room for everything but the history: the oldest pair goes first, then the other
+    ids, cut = train.fit_prompt(tok, "put a mug in desk", history, obs, actions, args, len(full) - 30)
+    assert cut and len(ids) <= len(full) - 30
+    # little room: no history, the observation's middle cut, every admissible action whole
+    limit = 80
+    ids, cut = train.fit_prompt(tok, "put a mug in desk", history, obs, actions, args, limit)
+    assert cut and len(ids) <= limit
+    text_ids = set(ids)
+    for a in actions:   # each action line survives whole
+        assert all(t in text_ids for t in tok(f"<action>{a}</action>").input_ids)
+    # no room even for the actions: the prompt's end (with the prefill) is kept, never more than limit
+    ids, cut = train.fit_prompt(tok, "put a mug in desk", history, obs, actions, args, 12)
+    assert cut and len(ids) == 12

@@ -1,0 +1,132 @@
+"""torchrun on CPU (gloo), 2 ranks, tiny model: the data-parallel update equals one process holding
+every sample; a 2-rank run trains, logs once, keeps replicas identical, checkpoints and resumes;
+the advantages each rank's loss sees are compute_advantages' on the gathered batch; a rank that
+dies stops the job with the rank named, and --resume continues."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import tigpo
+from test_train_e2e import TINY, read_jsonl, tiny_model  # noqa: F401 (tiny_model: a fixture)
+
+pytestmark = pytest.mark.slow
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.parametrize("mode", ["replicas", "fsdp"])
+def test_two_ranks_take_the_same_optimizer_steps_as_one_process(tmp_path, mode):
+    helper = os.path.join(ROOT, "tests", "dist_grad.py")
+    single, double = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")
+    subprocess.run([sys.executable, helper, single], check=True, env=ENV, timeout=300, cwd=ROOT)
+    out = subprocess.run(TORCHRUN + [helper, double] + (["--fsdp"] if mode == "fsdp" else []), env=ENV,
+                         timeout=300, cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    a, b = torch.load(single), torch.load(double)
+    assert a["stats"]["optimizer_steps"] == b["stats"]["optimizer_steps"] == 3
+    for name, step in a["steps"].items():
+        assert step.abs().max() > 0 or "embed" in name
+        assert torch.allclose(step, b["steps"][name], rtol=1e-4, atol=1e-7), name
+    for key in ("loss", "pg_loss", "kl", "clip_frac"):
+        assert b["stats"][key] == pytest.approx(a["stats"][key], rel=1e-5, abs=1e-9), key
+
+
+def torchrun_train(*argv, check=True):
+    proc = subprocess.run(TORCHRUN + [os.path.join(ROOT, "train.py"), *argv], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=900)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"torchrun train.py failed:\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def test_two_rank_run_logs_once_keeps_replicas_equal_and_resumes(tiny_model, alfworld_data, tmp_path):
+    run_dir = str(tmp_path / "run")
+    common = ["--model", tiny_model, "--data-dir", alfworld_data, "--run-dir", run_dir, *TINY, "--minibatch-size", "5"]
+    torchrun_train("--updates", "2", *common)
+    metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert [m["update"] for m in metrics] == [1, 2]                      # rank 0 alone writes
+    assert all(m["replica_drift"] == 0.0 for m in metrics)               # identical weights
+    assert all(m["num_samples"] > 0 and m["optimizer_steps"] >= 1 for m in metrics)
+    assert os.path.isdir(os.path.join(run_dir, "checkpoints", "update_000002"))
+    with open(os.path.join(run_dir, "checkpoints", "update_000002", "state.json")) as fh:
+        assert len(json.load(fh)["rng_ranks"]) == 2                      # each rank's sampling stream
+    check_loss_advantages(run_dir)
+    torchrun_train("--resume", "--updates", "3", "--run-dir", run_dir)
+    assert [m["update"] for m in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))] == [1, 2, 3]
+
+
+def test_fsdp_run_shards_checkpoints_a_plain_model_and_resumes(tiny_model, alfworld_data, tmp_path):
+    run_dir = str(tmp_path / "fsdp")
+    common = ["--model", tiny_model, "--data-dir", alfworld_data, "--run-dir", run_dir, *TINY, "--minibatch-size", "5",
+              "--fsdp", "--precision", "bf16"]
+    torchrun_train("--updates", "1", *common)
+    torchrun_train("--resume", "--updates", "2", "--run-dir", run_dir)
+    metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert [m["update"] for m in metrics] == [1, 2]
+    assert all(m["first_step_ratio_dev"] == 0.0 and m["optimizer_steps"] > 1 for m in metrics)
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "checkpoints", "update_000002"))
+    assert model.config.num_hidden_layers == 2                         # gathered: a whole, plain model
+
+
+def check_loss_advantages(run_dir):
+    """Every sample of every rank got exactly compute_advantages' value on the gathered batch."""
+    with open(os.path.join(run_dir, "config.json")) as fh:
+        cfg = json.load(fh)
+    for rec in read_jsonl(os.path.join(run_dir, "advantages.jsonl")):
+        memory = tigpo.GraphMemory()
+        memory.load_state_dict(rec["memory"])
+        want = tigpo.compute_advantages(rec["groups"], cfg["algo"], memory, invalid_penalty=cfg["invalid_penalty"],
+                                        graph_gamma=cfg["graph_gamma"], norm=cfg["norm"])
+        seen = {(g, j, t): a for g, j, t, a in rec["loss_advantages"]}
+        steps = {(g, j, t) for g, grp in enumerate(want) for j, traj in enumerate(grp) for t in range(len(traj))}
+        assert set(seen) == steps                                        # both ranks' samples, once each
+        for (g, j, t), a in seen.items():
+            assert a == float(torch.tensor(want[g][j][t], dtype=torch.float32)), (g, j, t)
+
+
+def workers_of(pid):
+    """PIDs of train.py processes below `pid`, with their RANK."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                cmd = fh.read().split(b"\0")
+            with open(f"/proc/{entry}/environ", "rb") as fh:
+                env = dict(x.split(b"=", 1) for x in fh.read().split(b"\0") if b"=" in x)
+        except OSError:
+            continue
+        if any(c.endswith(b"train.py") for c in cmd) and env.get(b"TORCHELASTIC_AGENT_ROLE") is not None \
+                and int(entry) != pid:
+            out[int(env[b"RANK"])] = int(entry)
+    return out
+
+
+def test_a_rank_that_dies_stops_the_job_and_resume_continues(tiny_model, alfworld_data, tmp_path):
+    run_dir = str(tmp_path / "run")
+    common = ["--model", tiny_model, "--data-dir", alfworld_data, "--run-dir", run_dir, *TINY]
+    proc = subprocess.Popen(TORCHRUN + [os.path.join(ROOT, "train.py"), "--updates", "6", *common], cwd=ROOT,
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    deadline = time.time() + 600
+    while time.time() < deadline and not (os.path.exists(metrics) and open(metrics).read().count("\n") >= 1):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.5)
+    ranks = workers_of(proc.pid)
+    assert set(ranks) == {0, 1}, ranks
+    os.kill(ranks[1], signal.SIGKILL)                                    # rank 1 dies mid-run
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode != 0
+    assert "rank: 1" in err or "rank 1" in err, err[-3000:]
+    torchrun_train("--resume", "--updates", "6", "--run-dir", run_dir)
+    done = [m["update"] for m in read_jsonl(metrics)]
+    assert done == list(range(1, 7))
