@@ -64,7 +64,7 @@ class Args:
     cross_temporal: bool = arg(True, "E8: revisit groups normalise against Z_E u Z_now")
     updates: Optional[int] = arg(None, "total policy updates; --resume continues up to this", int)
     # episodes and prompts
-    max_steps: Optional[int] = arg(None, "episode step limit (paper: 50 alfworld, 15 webshop)", int)
+    max_steps: Optional[int] = arg(None, "episode step limit (the papers: 50 alfworld, 15 webshop)", int)
     max_new_tokens: Optional[int] = arg(None, "generation limit per step", int)
     history_length: Optional[int] = arg(None, "H: earlier (observation, action) pairs in the prompt", int)
     state_key: str = arg("facts", "state identity for the graph (ALFWorld): exact PDDL facts or "
@@ -136,7 +136,7 @@ PRESETS = {
                   eval_every=25, eval_tasks=0, save_every=25, keep_checkpoints=2, trainable_layers=0,
                   warmup_epochs=0),
     "cpu": dict(model=DEFAULT_MODEL, response_format="action", task_types="pick,look",
-                max_receptacles=9, num_games="4,6", num_groups=2, group_size=4, revisit_groups=1,
+                max_receptacles=9, num_games="4,6", num_groups=4, group_size=2, revisit_groups=2,
                 revisit_delay=1, updates=6, max_steps=7, max_new_tokens=16, history_length=1,
                 num_env_workers=2, lr=2e-5, weight_decay=0.01, kl_coef=0.0, temperature=0.4,
                 minibatch_size=0, token_budget=4096, gen_batch_size=32, eval_every=6, eval_tasks=0,
@@ -169,7 +169,8 @@ def parse_args(argv):
     a bad flag answer before torch is imported. Preset values are filled in by resolve_presets."""
     parser = Parser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(Args):
-        kw = dict(help=f"{f.metadata['help']} [default: {_shown_default(f.name, f.default)}]",
+        shown = _shown_default(f.name, f.default)
+        kw = dict(help=f.metadata["help"] + (f" [default: {shown}]" if shown is not None else ""),
                   default=argparse.SUPPRESS)
         if isinstance(f.default, bool):
             kw["action"] = argparse.BooleanOptionalAction
@@ -280,6 +281,7 @@ from tqdm import tqdm  # noqa: E402
 
 import checkpoint  # noqa: E402
 import envs  # noqa: E402
+from runlog import RunLog, behaviour, graph_metrics, summarize, zero_advantage  # noqa: E402
 from distributed import Dist  # noqa: E402
 
 NO_ACTION = "<no action>"    # sent to the env when a reply has no <action> tag: the env counts the step
@@ -744,16 +746,6 @@ def evaluate(args, model, tok, device, dist, seed, show=True):
     return metrics
 
 
-def summarize(trajs, prefix=""):
-    """Success rate overall and per task type, mean score, episode length."""
-    m = {f"{prefix}success_rate": float(np.mean([t["success"] for t in trajs])) if trajs else 0.0,
-         f"{prefix}mean_score": float(np.mean([t["score"] for t in trajs])) if trajs else 0.0,
-         f"{prefix}episode_len": float(np.mean([len(t["valid"]) for t in trajs])) if trajs else 0.0}
-    for kind in sorted({t["task_type"] for t in trajs}):
-        m[f"{prefix}success/{kind}"] = float(np.mean([t["success"] for t in trajs if t["task_type"] == kind]))
-    return m
-
-
 # ================================================================================================
 # The training loop
 # ================================================================================================
@@ -823,7 +815,7 @@ def run(args, resuming):
         drift = dist.replica_drift(model)                     # 0.0: every rank holds the same weights
         gen_tokens, gen_s, truncated = dist.sum([gen["gen_tokens"], gen["gen_s"], gen["truncated_prompts"]])
         tokens = dist.sum([sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)])[0]
-        metrics.update(behaviour(trajs), **stats, **graph_metrics(graph_stats, memory),
+        metrics.update(behaviour(trajs), **stats, **graph_metrics(graph_stats),
                        **zero_advantage(advantages),
                        revisits=sum(slot["kind"] == "revisit" for slot in plan),
                        num_samples=int(dist.sum([len(samples)])[0]), truncated_prompts=int(truncated),
@@ -854,8 +846,8 @@ def build(args, resuming, dist):
     """Everything run() needs, in the order that lets bad input fail before slow work. Returns
     None for a finished run that was resumed."""
     cuda = torch.cuda.is_available() and args.device != "cpu"
-    if not resuming:
-        note = resolve_presets(args, torch.cuda.is_available())
+    # A resumed run's config.json has every value; this only fills fields a newer version added.
+    note = resolve_presets(args, torch.cuda.is_available())
     ckpt, start = checkpoint.last_checkpoint(args.run_dir) if resuming else (None, 0)
     if resuming and ckpt is None:
         raise UsageError(f"--resume: {args.run_dir} has no checkpoint; start anew without --resume in a "
@@ -993,124 +985,6 @@ def make_pool(args, split):
     tasks = list(env.tasks)
     env.close()
     return envs.EnvPool(args.env, args.num_env_workers, **kw), tasks
-
-
-# ================================================================================================
-# Metrics and logs (rank 0): metrics.jsonl, trajectories.txt, TensorBoard, W&B, the status line
-# ================================================================================================
-
-def behaviour(trajs):
-    """Valid-action ratio, and what shows a collapse onto one action: how many distinct actions
-    were taken, and the share of the most frequent one."""
-    valid = [v for t in trajs for v in t["valid"]]
-    actions = [textenv.normalize_action(s["action"]) for t in trajs for s in t["steps"] if s["action"]]
-    counts = {}
-    for a in actions:
-        counts[a] = counts.get(a, 0) + 1
-    return {"valid_action_ratio": float(np.mean(valid)) if valid else 0.0,
-            "distinct_actions": len(counts),
-            "top_action": max(counts, key=counts.get) if counts else None,
-            "top_action_frac": max(counts.values()) / len(actions) if actions else 0.0}
-
-
-def zero_advantage(advantages):
-    flat = [a for group in advantages for traj in group for a in traj]
-    return {"zero_adv_frac": float(np.mean([abs(a) < 1e-6 for a in flat])) if flat else 1.0,
-            "adv_mean": float(np.mean(flat)) if flat else 0.0}
-
-
-def graph_metrics(before, memory):
-    return {"graph_tasks": before["tasks"], "graph_nodes": before["nodes"], "graph_edges": before["edges"],
-            "task_hit_rate": before.get("task_hit_rate"), "state_hit_rate": before.get("state_hit_rate")}
-
-
-def _cut(text, limit=600):
-    text = text.strip()
-    return text if len(text) <= limit else f"{text[:limit]} [... {len(text) - limit} more characters cut]"
-
-
-class RunLog:
-    """The run folder's logs, written by rank 0. On resume, entries of updates after the checkpoint
-    are dropped first (that work is redone)."""
-
-    def __init__(self, args, dist, resuming, start):
-        self.args, self.dir = args, args.run_dir
-        os.makedirs(self.dir, exist_ok=True)          # nothing is written before every check passed
-        checkpoint.remove_stale_temporaries(self.dir)
-        if resuming:
-            checkpoint.drop_lost_updates(self.dir, start)
-        else:
-            checkpoint.write_config(self.dir, args)
-        self.before = {}
-        self.tb = self.wandb = None
-        if __import__("importlib").util.find_spec("tensorboard") is not None:
-            from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(os.path.join(self.dir, "tb"))
-        if args.track:
-            import wandb
-            self.wandb = wandb
-            wandb.init(project="tigpo", name=os.path.basename(self.dir), config=dataclasses.asdict(args),
-                       resume="allow", id=os.path.basename(self.dir))
-
-    def write(self, metrics, plan, trajs, advantages):
-        update = metrics["update"]
-        with open(os.path.join(self.dir, "metrics.jsonl"), "a") as fh:
-            fh.write(json.dumps(metrics) + "\n")
-        numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "update"}
-        if self.tb:
-            for k, v in numeric.items():
-                self.tb.add_scalar(k, v, update)
-            self.tb.flush()
-        if self.wandb:
-            self.wandb.log(numeric, step=update)
-        evals = {k[5:-13]: v for k, v in metrics.items() if k.startswith("eval/") and k.endswith("/success_rate")}
-        if update == 0:
-            self.before = evals
-            tqdm.write("before training | " + " | ".join(f"eval {k} {v:.2f}" for k, v in evals.items()))
-            return
-        self.write_trajectories(update, plan, trajs, advantages)
-        kl = f"{metrics['kl']:.4f}" if metrics["kl"] is not None else "-"
-        tqdm.write(f"update {update}/{self.args.updates} | success {metrics['success_rate']:.2f} | score "
-                   f"{metrics['mean_score']:.2f} | valid {metrics['valid_action_ratio']:.2f} | actions "
-                   f"{metrics['distinct_actions']} | KL {kl} | revisits {metrics['revisits']} | "
-                   f"{metrics['rollout_s'] + metrics['adv_s'] + metrics['update_s']:.0f}s"
-                   + "".join(f" | eval {k} {v:.2f}" for k, v in evals.items()))
-        if update == self.args.updates and evals:
-            tqdm.write("held-out success, before -> after: " + ", ".join(
-                f"{k} {self.before[k]:.2f} -> {v:.2f}" if k in self.before else f"{k} {v:.2f}"
-                for k, v in evals.items()))
-
-    def write_trajectories(self, update, plan, trajs, advantages):
-        """One trajectory of each kind (explore, revisit) first, then the rest in batch order."""
-        K = self.args.group_size
-        order = sorted(range(len(trajs)), key=lambda i: (plan[i // K]["kind"] != "explore", i))
-        firsts = {plan[i // K]["kind"]: i for i in reversed(order)}
-        chosen = sorted(firsts.values()) + [i for i in range(len(trajs)) if i not in firsts.values()]
-        with open(os.path.join(self.dir, "trajectories.txt"), "a") as fh:
-            for i in chosen[:self.args.log_trajectories]:
-                g, j = divmod(i, K)
-                t = trajs[i]
-                fh.write(f"=== update {update} | {plan[g]['kind']} | {t['task']} | score {t['score']} | "
-                         f"success {t['success']}\ngoal: {t['goal']}\n")
-                for step, (s, adv) in enumerate(zip(t["steps"], advantages[g][j])):
-                    shown = ", ".join(s["admissible"][:8]) + (", ..." if len(s["admissible"]) > 8 else "")
-                    fh.write(f"--- step {step} | valid {s['valid']} | advantage {adv:+.4f}\n"
-                             f"obs: {_cut(s['obs'])}\nadmissible ({len(s['admissible'])}): {shown}\n"
-                             f"reply: {_cut(s['reply'])}\naction: {s['action']}\n")
-
-    def dump_advantages(self, update, groups, memory, seen):
-        plain = [{**g, "trajs": [{k: t[k] for k in ("states", "valid", "score", "success")} for t in g["trajs"]]}
-                 for g in groups]                   # compute_advantages' input
-        with open(os.path.join(self.dir, "advantages.jsonl"), "a") as fh:
-            fh.write(json.dumps({"update": update, "algo": self.args.algo, "memory": memory.state_dict(),
-                                 "groups": plain, "loss_advantages": seen}) + "\n")
-
-    def close(self):
-        if self.tb:
-            self.tb.close()
-        if self.wandb:
-            self.wandb.finish()
-        print(f"done: {self.dir} (metrics.jsonl, trajectories.txt, checkpoints/)")
 
 
 if __name__ == "__main__":

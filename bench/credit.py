@@ -10,6 +10,7 @@ policy is a table of logits per (task, state); there is no language model, no ge
 across tasks, no PPO clipping (one on-policy gradient step per update, so the ratio of E12 is 1).
 """
 import argparse
+import json
 import bisect
 import itertools
 import math
@@ -188,7 +189,7 @@ def success_probability(task, theta_rows, cfg):
 # One training run: (method, K, seed) -> learning curve and zero-advantage fraction.
 # ---------------------------------------------------------------------------------------------
 
-def train_run(method, k, seed, cfg):
+def train_run(method, k, seed, cfg, keep_memory=False):
     """Train a fresh tabular policy on the seed's task set with one method; B = rollouts / K groups
     per update. Per update: plan (E11) -> K rollouts per group -> compute_advantages (E1-E9) ->
     policy gradient -> memory.add (E10) -> scheduler.record (E11), exactly the order of docs/ALGORITHM.md."""
@@ -250,7 +251,8 @@ def train_run(method, k, seed, cfg):
             "zero_frac": zero_steps / max(all_steps, 1), "steps": all_steps,
             "memory_hits": (statistics.fmean(task_hits), statistics.fmean(state_hits))
             if task_hits else None,
-            "train_seconds": train_seconds}
+            "train_seconds": train_seconds,
+            **({"memory": memory.state_dict()} if keep_memory and memory is not None else {})}
 
 
 def _train_run_star(job):
@@ -359,6 +361,9 @@ def main(argv=None):
     parser.add_argument("--ks", default=None, help="group sizes K (default 2,4,8; quick: 4)")
     parser.add_argument("--seeds", type=int, default=5, help="seeds per (method, K)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--save-memory", default=None, metavar="PATH",
+                        help="also train tigpo once (first K, seed 0) and write its GraphMemory.state_dict() "
+                             "to PATH, for export_graph.py")
     parser.add_argument("--plot", default=None,
                         help="PNG path (default bench/credit.png for the full run, none for --quick)")
     for f in fields(Config):
@@ -399,6 +404,12 @@ def main(argv=None):
     print(f"\n{len(results)} runs in {time.perf_counter() - start:.0f} s with {args.workers} workers")
     if plot_path:
         plot(results, methods, ks, cfg.rollouts, plot_path)
+    if args.save_memory:
+        run = train_run("tigpo", ks[0], 0, cfg, keep_memory=True)
+        with open(args.save_memory, "w") as fh:
+            json.dump(run["memory"], fh)
+        print(f"wrote the persistent graph of tigpo (K={ks[0]}, seed 0) to {args.save_memory}: "
+              f"python export_graph.py {args.save_memory} --list")
 
 
 if __name__ == "__main__":

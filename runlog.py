@@ -1,0 +1,141 @@
+"""runlog.py: what train.py writes while it trains (rank 0 only): metrics.jsonl, trajectories.txt,
+advantages.jsonl (--dump-advantages), TensorBoard and W&B, and the status line. The metrics are
+defined in the README ("Metrics"); this module computes the behavioural ones from the rollouts.
+"""
+import dataclasses
+import importlib.util
+import json
+import os
+
+import numpy as np
+from tqdm import tqdm
+
+import checkpoint
+import textenv
+
+
+def summarize(trajs, prefix=""):
+    """Success rate overall and per task type, mean score, episode length."""
+    m = {f"{prefix}success_rate": float(np.mean([t["success"] for t in trajs])) if trajs else 0.0,
+         f"{prefix}mean_score": float(np.mean([t["score"] for t in trajs])) if trajs else 0.0,
+         f"{prefix}episode_len": float(np.mean([len(t["valid"]) for t in trajs])) if trajs else 0.0}
+    for kind in sorted({t["task_type"] for t in trajs}):
+        m[f"{prefix}success/{kind}"] = float(np.mean([t["success"] for t in trajs if t["task_type"] == kind]))
+    return m
+
+
+def behaviour(trajs):
+    """Valid-action ratio, and what shows a collapse onto one action: how many distinct actions
+    were taken, and the share of the most frequent one."""
+    valid = [v for t in trajs for v in t["valid"]]
+    actions = [textenv.normalize_action(s["action"]) for t in trajs for s in t["steps"] if s["action"]]
+    counts = {}
+    for a in actions:
+        counts[a] = counts.get(a, 0) + 1
+    return {"valid_action_ratio": float(np.mean(valid)) if valid else 0.0,
+            "distinct_actions": len(counts),
+            "top_action": max(counts, key=counts.get) if counts else None,
+            "top_action_frac": max(counts.values()) / len(actions) if actions else 0.0}
+
+
+def zero_advantage(advantages):
+    flat = [a for group in advantages for traj in group for a in traj]
+    return {"zero_adv_frac": float(np.mean([abs(a) < 1e-6 for a in flat])) if flat else 1.0,
+            "adv_mean": float(np.mean(flat)) if flat else 0.0}
+
+
+def graph_metrics(before):
+    """memory.stats(groups) taken before this update's E10 insert, as graph_* metrics (sizes,
+    per-task sizes, evicted edges, bytes) plus the task and state hit rates of this batch."""
+    out = {f"graph_{k}": v for k, v in before.items() if not k.endswith("hit_rate")}
+    out.update(task_hit_rate=before.get("task_hit_rate"), state_hit_rate=before.get("state_hit_rate"))
+    return out
+
+
+def _cut(text, limit=600):
+    text = text.strip()
+    return text if len(text) <= limit else f"{text[:limit]} [... {len(text) - limit} more characters cut]"
+
+
+class RunLog:
+    """The run folder's logs, written by rank 0. On resume, entries of updates after the checkpoint
+    are dropped first (that work is redone)."""
+
+    def __init__(self, args, dist, resuming, start):
+        self.args, self.dir = args, args.run_dir
+        os.makedirs(self.dir, exist_ok=True)          # nothing is written before every check passed
+        checkpoint.remove_stale_temporaries(self.dir)
+        if resuming:
+            checkpoint.drop_lost_updates(self.dir, start)
+        else:
+            checkpoint.write_config(self.dir, args)
+        self.before = {}
+        self.tb = self.wandb = None
+        if importlib.util.find_spec("tensorboard") is not None:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(os.path.join(self.dir, "tb"))
+        if args.track:
+            import wandb
+            self.wandb = wandb
+            wandb.init(project="tigpo", name=os.path.basename(self.dir), config=dataclasses.asdict(args),
+                       resume="allow", id=os.path.basename(self.dir))
+
+    def write(self, metrics, plan, trajs, advantages):
+        update = metrics["update"]
+        with open(os.path.join(self.dir, "metrics.jsonl"), "a") as fh:
+            fh.write(json.dumps(metrics) + "\n")
+        numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "update"}
+        if self.tb:
+            for k, v in numeric.items():
+                self.tb.add_scalar(k, v, update)
+            self.tb.flush()
+        if self.wandb:
+            self.wandb.log(numeric, step=update)
+        evals = {k[5:-13]: v for k, v in metrics.items() if k.startswith("eval/") and k.endswith("/success_rate")}
+        if update == 0:
+            self.before = evals
+            tqdm.write("before training | " + " | ".join(f"eval {k} {v:.2f}" for k, v in evals.items()))
+            return
+        self.write_trajectories(update, plan, trajs, advantages)
+        kl = f"{metrics['kl']:.4f}" if metrics["kl"] is not None else "-"
+        tqdm.write(f"update {update}/{self.args.updates} | success {metrics['success_rate']:.2f} | score "
+                   f"{metrics['mean_score']:.2f} | valid {metrics['valid_action_ratio']:.2f} | actions "
+                   f"{metrics['distinct_actions']} | KL {kl} | revisits {metrics['revisits']} | "
+                   f"{metrics['rollout_s'] + metrics['adv_s'] + metrics['update_s']:.0f}s"
+                   + "".join(f" | eval {k} {v:.2f}" for k, v in evals.items()))
+        if update == self.args.updates and evals:
+            tqdm.write("eval success (temperature %s), before RL -> after: " % self.args.eval_temperature + ", ".join(
+                f"{k} {self.before[k]:.2f} -> {v:.2f}" if k in self.before else f"{k} {v:.2f}"
+                for k, v in evals.items()))
+
+    def write_trajectories(self, update, plan, trajs, advantages):
+        """One trajectory of each kind (explore, revisit) first, then the rest in batch order."""
+        K = self.args.group_size
+        order = sorted(range(len(trajs)), key=lambda i: (plan[i // K]["kind"] != "explore", i))
+        firsts = {plan[i // K]["kind"]: i for i in reversed(order)}
+        chosen = sorted(firsts.values()) + [i for i in range(len(trajs)) if i not in firsts.values()]
+        with open(os.path.join(self.dir, "trajectories.txt"), "a") as fh:
+            for i in chosen[:self.args.log_trajectories]:
+                g, j = divmod(i, K)
+                t = trajs[i]
+                fh.write(f"=== update {update} | {plan[g]['kind']} | {t['task']} | score {t['score']} | "
+                         f"success {t['success']}\ngoal: {t['goal']}\n")
+                for step, (s, adv) in enumerate(zip(t["steps"], advantages[g][j])):
+                    shown = ", ".join(s["admissible"][:8]) + (", ..." if len(s["admissible"]) > 8 else "")
+                    fh.write(f"--- step {step} | valid {s['valid']} | advantage {adv:+.4f}\n"
+                             f"obs: {_cut(s['obs'])}\nadmissible ({len(s['admissible'])}): {shown}\n"
+                             f"reply: {_cut(s['reply'])}\naction: {s['action']}\n")
+
+    def dump_advantages(self, update, groups, memory, seen):
+        plain = [{**g, "trajs": [{k: t[k] for k in ("states", "valid", "score", "success")} for t in g["trajs"]]}
+                 for g in groups]                   # compute_advantages' input
+        with open(os.path.join(self.dir, "advantages.jsonl"), "a") as fh:
+            fh.write(json.dumps({"update": update, "algo": self.args.algo, "memory": memory.state_dict(),
+                                 "groups": plain, "loss_advantages": seen}) + "\n")
+
+    def close(self):
+        if self.tb:
+            self.tb.close()
+        if self.wandb:
+            self.wandb.finish()
+        print(f"done: {self.dir} (metrics.jsonl, trajectories.txt, checkpoints/)")
