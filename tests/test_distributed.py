@@ -105,7 +105,7 @@ def workers_of(pid):
                 env = dict(x.split(b"=", 1) for x in fh.read().split(b"\0") if b"=" in x)
         except OSError:
             continue
-        if any(c.endswith(b"train.py") for c in cmd) and env.get(b"TORCHELASTIC_AGENT_ROLE") is not None \
+        if any(c.endswith(b"train.py") for c in cmd) and b"TORCHELASTIC_RUN_ID" in env and b"RANK" in env \
                 and int(entry) != pid:
             out[int(env[b"RANK"])] = int(entry)
     return out
@@ -114,7 +114,7 @@ def workers_of(pid):
 def test_a_rank_that_dies_stops_the_job_and_resume_continues(tiny_model, alfworld_data, tmp_path):
     run_dir = str(tmp_path / "run")
     common = ["--model", tiny_model, "--data-dir", alfworld_data, "--run-dir", run_dir, *TINY]
-    proc = subprocess.Popen(TORCHRUN + [os.path.join(ROOT, "train.py"), "--updates", "6", *common], cwd=ROOT,
+    proc = subprocess.Popen(TORCHRUN + [os.path.join(ROOT, "train.py"), "--updates", "4", *common], cwd=ROOT,
                             env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = os.path.join(run_dir, "metrics.jsonl")
     deadline = time.time() + 600
@@ -125,8 +125,8 @@ def test_a_rank_that_dies_stops_the_job_and_resume_continues(tiny_model, alfworl
     assert set(ranks) == {0, 1}, ranks
     os.kill(ranks[1], signal.SIGKILL)                                    # rank 1 dies mid-run
     _, err = proc.communicate(timeout=600)
-    assert proc.returncode != 0
+    assert proc.returncode != 0, err[-3000:]
     assert "rank: 1" in err or "rank 1" in err, err[-3000:]
-    torchrun_train("--resume", "--updates", "6", "--run-dir", run_dir)
+    resumed = torchrun_train("--resume", "--updates", "4", "--run-dir", run_dir)
     done = [m["update"] for m in read_jsonl(metrics)]
-    assert done == list(range(1, 7))
+    assert done == list(range(1, 5)), (done, resumed.stdout[-2000:])

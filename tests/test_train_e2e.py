@@ -77,8 +77,8 @@ def test_every_algo_trains_logs_and_checkpoints(runs, algo):
     if metrics[0]["optimizer_steps"] == 1:
         assert metrics[0]["kl"] == 0.0                               # pi == ref before the first step
     assert 0.0 <= metrics[1]["kl"] < 1e-6                            # lr 1e-6: pi stays near ref
-    # E11: only tigpo revisits (delay 1: update 2 revisits a task explored at update 1)
-    assert [m["revisits"] for m in metrics] == ([0, 1] if algo == "tigpo" else [0, 0])
+    # E11: only tigpo revisits (delay 1, the cpu preset's B_R = 2: update 2 revisits both tasks of update 1)
+    assert [m["revisits"] for m in metrics] == ([0, 2] if algo == "tigpo" else [0, 0])
     if algo == "tigpo":
         assert "eval/valid_seen/success_rate" in metrics[1] and "eval/valid_unseen/success_rate" in metrics[1]
     # checkpoint: plain from_pretrained loads the model; the JSON holds memory, schedule, RNG
