@@ -200,3 +200,22 @@ def test_importing_envs_does_not_invent_an_alfworld_data_folder():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), check=True)
     assert out.stdout.strip() == "None"
+
+
+def test_games_are_selected_by_task_type_and_scene_size(alfworld_data):
+    root = os.path.join(alfworld_data, "json_2.1.1")
+    every = envs.alfworld_tasks(root, "train")
+    sizes = {}
+    for key in every:
+        with open(os.path.join(root, key)) as fh:
+            sizes[key] = envs.scene_size(json.load(fh)["pddl_problem"])
+    assert len(every) == 6 and all(s > 0 for s in sizes.values())
+    picks = envs.alfworld_tasks(root, "train", task_types="pick,look")
+    assert picks and set(picks) < set(every)
+    assert all(k.split("/")[1].startswith(("pick_and_place_simple", "look_at_obj_in_light")) for k in picks)
+    limit = sorted(sizes.values())[len(sizes) // 2]
+    small = envs.alfworld_tasks(root, "train", max_receptacles=limit)
+    assert list(small) == [k for k in every if sizes[k] <= limit]
+    assert 0 < len(small) < len(every) or len(set(sizes.values())) == 1
+    with pytest.raises(ValueError, match="unknown ALFWorld task types"):
+        envs.alfworld_tasks(root, "train", task_types="pick,fly")

@@ -117,8 +117,9 @@ def test_a_rank_that_dies_stops_the_job_and_resume_continues(tiny_model, alfworl
     proc = subprocess.Popen(TORCHRUN + [os.path.join(ROOT, "train.py"), "--updates", "4", *common], cwd=ROOT,
                             env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = os.path.join(run_dir, "metrics.jsonl")
+    first = os.path.join(run_dir, "checkpoints", "update_000001")          # renamed into place: whole
     deadline = time.time() + 600
-    while time.time() < deadline and not (os.path.exists(metrics) and open(metrics).read().count("\n") >= 1):
+    while time.time() < deadline and not os.path.isdir(first):
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         time.sleep(0.5)
     ranks = workers_of(proc.pid)
