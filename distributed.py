@@ -46,6 +46,7 @@ class Dist:
 
     def stop(self):
         if self.world > 1 and dist.is_initialized():
+            dist.barrier()          # no rank tears gloo down while another still talks to it (SIGABRT)
             dist.destroy_process_group()
 
     def share(self, n):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU evidence in the README ("CPU results"): the README's first command (the cpu preset) for
-# seeds 0-2 with --algo tigpo and --algo grpo, then the longer TIGPO run, one after the other on
-# a 2-core machine (~2.5 hours in all). Then: python bench/cpu_curves.py runs/cpu-evidence
+# seeds 0-2 with --algo tigpo and --algo grpo, one after the other on a 2-core machine (~1.5 hours
+# quiet). Then: python bench/cpu_curves.py runs/cpu-evidence
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-runs/cpu-evidence}
@@ -12,5 +12,3 @@ for seed in 0 1 2; do
       --run-dir "$out/alfworld-$algo-seed$seed" > "$out/log-$algo-seed$seed.txt" 2>&1
   done
 done
-/usr/bin/time -v -o "$out/time-tigpo-long.txt" python train.py --env alfworld --updates 24 --eval-every 6 \
-  --save-every 24 --run-dir "$out/alfworld-tigpo-seed0-long" > "$out/log-tigpo-long.txt" 2>&1
