@@ -49,7 +49,11 @@ def main():
     runs = {}
     for path in sorted(glob.glob(os.path.join(a.folder, "alfworld-*-seed[0-9]", "metrics.jsonl"))):
         algo, seed = re.search(r"alfworld-(\w+)-seed(\d+)", path).groups()
-        runs.setdefault(algo, {})[int(seed)] = read(path)
+        rows = read(path)
+        if not any(m["update"] > 0 and any(k.startswith("eval/") for k in m) for m in rows):
+            print(f"skipped {path}: not finished (no evaluation after training yet)")
+            continue
+        runs.setdefault(algo, {})[int(seed)] = rows
     if not runs:
         sys.exit(f"bench/cpu_curves.py: no runs under {a.folder}")
     for algo, seeds in runs.items():
@@ -62,6 +66,10 @@ def main():
             rows = [m for m in rows if m]
             print(f"| {u} | {ms([m['success_rate'] for m in rows])} | {ms([m['valid_action_ratio'] for m in rows])} | "
                   f"{ms([m['distinct_actions'] for m in rows])} | {ms([m['zero_adv_frac'] for m in rows])} |")
+        early = [statistics.fmean(m["success_rate"] for m in r if m["update"] in updates[:2]) for r in seeds.values()]
+        late = [statistics.fmean(m["success_rate"] for m in r if m["update"] in updates[-2:]) for r in seeds.values()]
+        print(f"\ntrain success, mean of updates {updates[0]}-{updates[1]}: {ms(early)}; of updates "
+              f"{updates[-2]}-{updates[-1]}: {ms(late)}; per seed {', '.join(f'{e:.2f}->{l:.2f}' for e, l in zip(early, late))}")
         first = [next(m for m in r if m["update"] == 0) for r in seeds.values()]
         last = [[m for m in r if any(k.startswith("eval/") for k in m)][-1] for r in seeds.values()]
         print("\n| eval success (temperature 0.4) | before RL | after |\n|---|---|---|")

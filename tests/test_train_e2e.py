@@ -45,16 +45,20 @@ def read_jsonl(path):
 @pytest.fixture(scope="module")
 def runs(tiny_model, alfworld_data, tmp_path_factory):
     """One 2-update run per algo (tigpo also evaluates), shared by the tests below."""
-    out = {}
+    out, procs = {}, {}
     base = tmp_path_factory.mktemp("runs")
-    for algo in tigpo.ALGOS:
+    for algo in tigpo.ALGOS:                  # side by side: each is one thread, mostly waiting on its envs
         # tigpo also evaluates; two runs take several optimizer steps per update (pi_old recomputed)
         extra = ["--eval-every", "2", "--eval-tasks", "1"] if algo == "tigpo" else []
         extra += ["--minibatch-size", "5"] if algo in ("tigpo", "gigpo") else []
-        run_dir = str(base / algo)
-        run_train("--algo", algo, "--model", tiny_model, "--data-dir", alfworld_data, "--updates", "2",
-                  "--run-dir", run_dir, *TINY, *extra)
-        out[algo] = run_dir
+        out[algo] = str(base / algo)
+        procs[algo] = subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "train.py"), "--algo", algo, "--model", tiny_model, "--data-dir",
+             alfworld_data, "--updates", "2", "--run-dir", out[algo], *TINY, *extra], cwd=ROOT,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for algo, proc in procs.items():
+        _, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, f"train.py --algo {algo} failed:\n{err[-3000:]}"
     return out
 
 
