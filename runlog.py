@@ -111,9 +111,10 @@ class RunLog:
     def write_trajectories(self, update, plan, trajs, advantages):
         """One trajectory of each kind (explore, revisit) first, then the rest in batch order."""
         K = self.args.group_size
-        order = sorted(range(len(trajs)), key=lambda i: (plan[i // K]["kind"] != "explore", i))
-        firsts = {plan[i // K]["kind"]: i for i in reversed(order)}
-        chosen = sorted(firsts.values()) + [i for i in range(len(trajs)) if i not in firsts.values()]
+        firsts = {}
+        for i in range(len(trajs)):
+            firsts.setdefault(plan[i // K]["kind"], i)
+        chosen = sorted(firsts.values()) + [i for i in range(len(trajs)) if i not in set(firsts.values())]
         with open(os.path.join(self.dir, "trajectories.txt"), "a") as fh:
             for i in chosen[:self.args.log_trajectories]:
                 g, j = divmod(i, K)
