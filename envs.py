@@ -16,8 +16,8 @@ import weakref
 
 from tqdm import tqdm
 
-import alfworld_gen
-from textenv import (ALFWORLD_DEFAULT_GAMES, ALFWORLD_SHORT_TYPE, ALFWORLD_TASK_TYPES, SUCCESS_REWARD,
+from environments import alfworld_gen
+from environments.textenv import (ALFWORLD_DEFAULT_GAMES, ALFWORLD_SHORT_TYPE, ALFWORLD_TASK_TYPES, SUCCESS_REWARD,
                      TaskError, normalize_action)
 
 # ---------------------------------------------------------------------------------------------
@@ -326,7 +326,7 @@ def make_env(name, **kwargs):
     if name == "alfworld":
         return AlfWorldEnv(**kwargs)
     if name == "webshop":
-        import webshop  # lazy: needs `requests` and a running WebShop server
+        from environments import webshop  # lazy: needs `requests` and a running WebShop server
         return webshop.WebShopEnv(**kwargs)
     raise ValueError(f"unknown env {name!r}: choose 'alfworld' or 'webshop'")
 

@@ -18,9 +18,9 @@ import re
 import statistics
 import sys
 
-import checkpoint
-from checkpoint import UsageError
-from textenv import ALFWORLD_TASK_TYPES
+from trainer import checkpoint
+from trainer.checkpoint import UsageError
+from environments.textenv import ALFWORLD_TASK_TYPES
 
 
 def parse(argv):
@@ -107,7 +107,7 @@ def main(argv=None):
     try:
         import torch
         import train
-        from distributed import Dist
+        from trainer.distributed import Dist
         args, model_name, out = settings(a)
         if a.device == "cuda" and not torch.cuda.is_available():
             raise UsageError("--device cuda but no CUDA device is visible")

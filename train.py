@@ -20,10 +20,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-import textenv
+from environments import textenv
 import tigpo
-import webshop
-from checkpoint import DEFAULT_MODEL, UsageError
+from environments import webshop
+from trainer.checkpoint import DEFAULT_MODEL, UsageError
 
 
 def arg(default, help, type=None, choices=None):
@@ -279,10 +279,10 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils.checkpoint import checkpoint as recompute  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-import checkpoint  # noqa: E402
+from trainer import checkpoint  # noqa: E402
 import envs  # noqa: E402
-from runlog import RunLog, behaviour, graph_metrics, summarize, zero_advantage  # noqa: E402
-from distributed import Dist  # noqa: E402
+from trainer.runlog import RunLog, behaviour, graph_metrics, summarize, zero_advantage  # noqa: E402
+from trainer.distributed import Dist  # noqa: E402
 
 NO_ACTION = "<no action>"    # sent to the env when a reply has no <action> tag: the env counts the step
 CRASH_STATE = "<env crash>"  # state key after a crashed game (the episode ends as a failure)

@@ -363,7 +363,7 @@ def main(argv=None):
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--save-memory", default=None, metavar="PATH",
                         help="also train tigpo once (first K, seed 0) and write its GraphMemory.state_dict() "
-                             "to PATH, for export_graph.py")
+                             "to PATH, for tools/export_graph.py")
     parser.add_argument("--plot", default=None,
                         help="PNG path (default bench/credit.png for the full run, none for --quick)")
     for f in fields(Config):
@@ -409,7 +409,7 @@ def main(argv=None):
         with open(args.save_memory, "w") as fh:
             json.dump(run["memory"], fh)
         print(f"wrote the persistent graph of tigpo (K={ks[0]}, seed 0) to {args.save_memory}: "
-              f"python export_graph.py {args.save_memory} --list")
+              f"python tools/export_graph.py {args.save_memory} --list")
 
 
 if __name__ == "__main__":

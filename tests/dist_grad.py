@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train  # noqa: E402
-from distributed import Dist  # noqa: E402
+from trainer.distributed import Dist  # noqa: E402
 
 
 def main(out, fsdp=False):

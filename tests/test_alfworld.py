@@ -160,7 +160,7 @@ def test_default_data_is_generated_once_in_the_user_cache(tmp_path, monkeypatch,
 
 
 def test_generator_is_deterministic_for_a_seed(tmp_path):
-    import alfworld_gen
+    from environments import alfworld_gen
     files = []
     for run in ("a", "b"):
         paths = [p for _, p, _ in alfworld_gen.generate(str(tmp_path / run), num_train=2, num_eval=1, seed=7)]

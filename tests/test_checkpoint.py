@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-import checkpoint
+from trainer import checkpoint
 import tigpo
-from checkpoint import UsageError
+from trainer.checkpoint import UsageError
 
 
 class Args:

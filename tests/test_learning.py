@@ -12,11 +12,11 @@ import random
 import pytest
 import torch
 
-import checkpoint
-import textenv
+from trainer import checkpoint
+from environments import textenv
 import tigpo
 import train
-from distributed import Dist
+from trainer.distributed import Dist
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,7 @@
 relies on, in both response formats."""
 import pytest
 
-from textenv import ACTION_END, ACTION_PREFILL, build_prompt, normalize_action, parse_action
+from environments.textenv import ACTION_END, ACTION_PREFILL, build_prompt, normalize_action, parse_action
 
 
 def test_normalize_action_strips_lowercases_and_collapses_spaces():

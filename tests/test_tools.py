@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-import export_graph
+from tools import export_graph
 import tigpo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,14 +36,14 @@ def test_graph_export_has_the_edges_and_the_distances_to_success(tmp_path):
     assert dot.count("->") == 3 and '"d=2\\nstart"' in dot and '"d=3\\nsink"' in dot
     path = tmp_path / "memory.json"
     path.write_text(json.dumps(memory.state_dict()))
-    out = tool("export_graph.py", str(path), "--task", "mug", "--format", "json")
+    out = tool("tools/export_graph.py", str(path), "--task", "mug", "--format", "json")
     assert out.returncode == 0 and json.loads(out.stdout) == json.loads(json.dumps(graph))
 
 
 def test_graph_export_bad_task_is_one_line_listing_known_keys(tmp_path):
     path = tmp_path / "memory.json"
     path.write_text(json.dumps(hand_built_memory().state_dict()))
-    out = tool("export_graph.py", str(path), "--task", "bathroom")
+    out = tool("tools/export_graph.py", str(path), "--task", "bathroom")
     assert out.returncode != 0
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "bathroom" in lines[0] and "kitchen/mug" in lines[0]
@@ -68,7 +68,7 @@ def test_plot_writes_a_png_and_an_svg_for_several_runs_and_a_one_line_run(tmp_pa
     fake_run(runs[0], "tigpo", 0, 4)
     fake_run(runs[1], "tigpo", 1, 4)
     fake_run(runs[2], "grpo", 0, 1)
-    out = tool("plot.py", *runs, "--out", str(tmp_path / "fig" / "curves"))
+    out = tool("tools/plot.py", *runs, "--out", str(tmp_path / "fig" / "curves"))
     assert out.returncode == 0, out.stderr[-2000:]
     png = (tmp_path / "fig" / "curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
@@ -80,6 +80,6 @@ def test_plot_without_matplotlib_says_how_to_install_it(tmp_path):
     blocker = tmp_path / "block"
     blocker.mkdir()
     (blocker / "matplotlib.py").write_text("raise ImportError('matplotlib is blocked for this test')\n")
-    out = tool("plot.py", str(tmp_path / "a"), env={"PYTHONPATH": str(blocker)})
+    out = tool("tools/plot.py", str(tmp_path / "a"), env={"PYTHONPATH": str(blocker)})
     lines = out.stderr.strip().splitlines()
     assert out.returncode != 0 and len(lines) == 1 and "pip install matplotlib" in lines[0]

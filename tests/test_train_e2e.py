@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tigpo
-import checkpoint
+from trainer import checkpoint
 import train
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import envs  # noqa: E402
-import webshop  # noqa: E402
+from environments import webshop  # noqa: E402
 from webshop_server import WebShopTestServer  # noqa: E402
 
 # Goal 500 (the first training goal) of the test server: product B000SHOE01, options color black

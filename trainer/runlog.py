@@ -10,8 +10,8 @@ import os
 import numpy as np
 from tqdm import tqdm
 
-import checkpoint
-import textenv
+from trainer import checkpoint
+from environments import textenv
 
 
 def summarize(trajs, prefix=""):

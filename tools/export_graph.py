@@ -1,10 +1,10 @@
 """export_graph.py: one task's persistent instance graph H_x (E7), as Graphviz DOT or JSON.
 
-    python export_graph.py runs/NAME --list                      # the tasks the memory holds
-    python export_graph.py runs/NAME --task pick_and_place > g.dot   # newest checkpoint; a unique
+    python tools/export_graph.py runs/NAME --list                      # the tasks the memory holds
+    python tools/export_graph.py runs/NAME --task pick_and_place > g.dot   # newest checkpoint; a unique
     dot -Tpng g.dot -o g.png                                         #   part of a task key is enough
-    python export_graph.py runs/NAME --checkpoint update_000006 --task KEY --format json
-    python export_graph.py memory.json --task t3                # a GraphMemory.state_dict() file
+    python tools/export_graph.py runs/NAME --checkpoint update_000006 --task KEY --format json
+    python tools/export_graph.py memory.json --task t3                # a GraphMemory.state_dict() file
 
 Nodes are labelled by their distance to success d(s) on the stored graph (E5: fewest edges to the
 SUCCESS sink; d_max + 1 when it cannot be reached; 1 for every node when the task was never won)
@@ -16,7 +16,8 @@ import json
 import os
 import sys
 
-import tigpo
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repository root
+import tigpo  # noqa: E402
 
 
 def load_memory(path, checkpoint_name=None):

@@ -1,7 +1,7 @@
 """plot.py: the curves of one or more runs, from their metrics.jsonl alone.
 
-    python plot.py runs/A runs/B ...                 # writes plots.png and plots.svg
-    python plot.py runs/alfworld-* --out fig/alfworld
+    python tools/plot.py runs/A runs/B ...                 # writes plots.png and plots.svg
+    python tools/plot.py runs/alfworld-* --out fig/alfworld
 
 One panel per quantity a paper figure needs: training success rate, valid-action ratio, held-out
 success per split, KL, the fraction of zero advantages, the graph memory's size, and its task and

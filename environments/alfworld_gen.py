@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from textenv import ALFWORLD_TASK_TYPES as TASK_TYPES, import_alfworld
+from environments.textenv import ALFWORLD_TASK_TYPES as TASK_TYPES, import_alfworld
 
 alfworld = import_alfworld()
 import alfworld.gen.constants as C  # noqa: E402

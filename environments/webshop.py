@@ -19,7 +19,7 @@ from urllib.parse import quote
 
 import requests
 
-from textenv import SUCCESS_REWARD, TaskError, normalize_action
+from environments.textenv import SUCCESS_REWARD, TaskError, normalize_action
 
 NUM_GOALS = 12087   # WebShop's human instructions (paper: 10,587 train + 1,000 dev + 500 test)
 TEST_GOALS = 500    # goals 0-499: the standard test set; 500+: training (verl-agent, GiGPO)
