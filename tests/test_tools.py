@@ -49,6 +49,66 @@ def test_graph_export_bad_task_is_one_line_listing_known_keys(tmp_path):
     assert len(lines) == 1 and "bathroom" in lines[0] and "kitchen/mug" in lines[0]
 
 
+# The training games of the README's default run (`python train.py --env alfworld`: cpu preset, seed 0,
+# 4 generated pick/look games, scenes of at most 9 receptacles), as envs.alfworld_tasks keys them.
+DEFAULT_RUN_TASKS = [
+    "train/look_at_obj_in_light-KeyChain-None-FloorLamp-230/trial_T00000000_000003_957828/game.tw-pddl",
+    "train/look_at_obj_in_light-Pencil-None-DeskLamp-328/trial_T00000000_000001_328821/game.tw-pddl",
+    "train/pick_and_place_simple-Mug-None-DiningTable-329/trial_T00000000_000002_716505/game.tw-pddl",
+    "train/pick_and_place_simple-Newspaper-None-SideTable-214/trial_T00000000_000000_382247/game.tw-pddl"]
+
+
+def default_like_run(tmp_path):
+    """A run folder whose newest checkpoint holds a memory over the default run's four task keys."""
+    memory = tigpo.GraphMemory()
+    for i, task in enumerate(reversed(DEFAULT_RUN_TASKS)):
+        memory.add([{"task": task, "trajs": [{"states": ["s0", f"s{i + 1}", "s9"], "valid": [True, True],
+                                              "score": 10.0, "success": i % 2 == 0}]}])
+    for update in (3, 6):
+        folder = tmp_path / "run" / "checkpoints" / f"update_{update:06d}"
+        folder.mkdir(parents=True)
+        (folder / "state.json").write_text(json.dumps({"update": update, "memory": memory.state_dict()}))
+    return str(tmp_path / "run")
+
+
+def export(argv, capsys):
+    """(exit message or None, stdout) of export_graph.main(argv), in this process."""
+    try:
+        export_graph.main(argv)
+        message = None
+    except SystemExit as e:
+        message = str(e.code)
+    return message, capsys.readouterr().out
+
+
+def test_graph_export_takes_the_number_from_list_an_exact_key_or_a_unique_part(tmp_path, capsys):
+    run = default_like_run(tmp_path)
+    error, listing = export([run, "--list"], capsys)
+    assert error is None
+    assert listing.splitlines() == [f"{i}\t{task}\t2 edges" for i, task in enumerate(DEFAULT_RUN_TASKS, 1)]
+    for i, task in enumerate(DEFAULT_RUN_TASKS, 1):
+        error, dot = export([run, "--task", str(i)], capsys)
+        assert error is None and dot.startswith(f"// {task}:") and "digraph H {" in dot
+        assert export([run, "--task", task], capsys) == (None, dot)   # the exact key
+    assert export([run, "--task", "Pencil"], capsys)[1].startswith(f"// {DEFAULT_RUN_TASKS[1]}:")
+    assert export([run, "--task", "pick_and_place_simple-Mug"], capsys)[1].startswith(f"// {DEFAULT_RUN_TASKS[2]}:")
+    error, text = export([run, "--task", "1", "--format", "json"], capsys)
+    assert error is None and json.loads(text)["task"] == DEFAULT_RUN_TASKS[0]
+
+
+def test_graph_export_ambiguous_part_names_the_candidates_and_the_way_out(tmp_path, capsys):
+    run = default_like_run(tmp_path)
+    error, out = export([run, "--task", "look_at"], capsys)
+    assert out == "" and error.startswith("export_graph.py: error: 2 tasks contain 'look_at'")
+    assert f"1: {DEFAULT_RUN_TASKS[0]}" in error and f"2: {DEFAULT_RUN_TASKS[1]}" in error
+    assert DEFAULT_RUN_TASKS[2] not in error and "--task 1" in error and "longer part" in error
+    assert "\n" not in error
+    error, out = export([run, "--task", "5"], capsys)           # a number past the end of --list
+    assert out == "" and "no task 5" in error and "1 to 4" in error
+    error, out = export([run, "--task", "0"], capsys)
+    assert out == "" and "no task 0" in error
+
+
 # ---------------------------------------------------------------------------------------------- plot
 def fake_run(folder, algo, seed, updates):
     os.makedirs(folder)

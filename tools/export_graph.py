@@ -1,10 +1,14 @@
 """export_graph.py: one task's persistent instance graph H_x (E7), as Graphviz DOT or JSON.
 
-    python tools/export_graph.py runs/NAME --list                      # the tasks the memory holds
-    python tools/export_graph.py runs/NAME --task pick_and_place > g.dot   # newest checkpoint; a unique
-    dot -Tpng g.dot -o g.png                                         #   part of a task key is enough
+    python tools/export_graph.py runs/NAME --list                  # the tasks the memory holds, numbered
+    python tools/export_graph.py runs/NAME --task 1 > g.dot        # the first of --list (newest checkpoint)
+    dot -Tpng g.dot -o g.png
+    python tools/export_graph.py runs/NAME --task look_at_obj_in_light-Pencil   # a unique part of a key
     python tools/export_graph.py runs/NAME --checkpoint update_000006 --task KEY --format json
-    python tools/export_graph.py memory.json --task t3                # a GraphMemory.state_dict() file
+    python tools/export_graph.py memory.json --task t3             # a GraphMemory.state_dict() file
+
+--task takes an exact task key, a number N (the N-th task of --list, counting from 1), or a part of a
+key that only one key contains; a part that several keys contain is an error naming them.
 
 Nodes are labelled by their distance to success d(s) on the stored graph (E5: fewest edges to the
 SUCCESS sink; d_max + 1 when it cannot be reached; 1 for every node when the task was never won)
@@ -43,17 +47,28 @@ def load_memory(path, checkpoint_name=None):
 
 
 def find_task(memory, key):
-    """The stored task whose key is `key`, or the only one containing it; else a one-line error
-    listing a few known keys."""
+    """The stored task `key` names: the task whose key is `key`; the N-th task of --list when `key`
+    is a number N (1-based); else the only task whose key contains `key`. Otherwise a one-line error:
+    the candidates when several keys contain `key`, a few known keys when none does."""
     tasks = sorted(memory.order)
     if key in memory.order:
         return key
+    if key.strip().isdigit():
+        index = int(key)
+        if 1 <= index <= len(tasks):
+            return tasks[index - 1]
+        raise ValueError(f"--task {key}: there is no task {index}; the memory holds {len(tasks)} "
+                         f"task(s), numbered 1 to {len(tasks)} by --list" if tasks else
+                         f"--task {key}: the memory holds no task (empty memory)")
     hits = [t for t in tasks if key in t]
     if len(hits) == 1:
         return hits[0]
-    shown = ", ".join(tasks[:5]) + (f", ... ({len(tasks)} in all)" if len(tasks) > 5 else "")
-    why = f"{len(hits)} tasks contain {key!r}" if hits else f"no stored task matches {key!r}"
-    raise ValueError(f"{why}; known tasks: {shown or 'none (empty memory)'}")
+    if hits:
+        shown = ", ".join(f"{tasks.index(t) + 1}: {t}" for t in hits[:6]) + (", ..." if len(hits) > 6 else "")
+        raise ValueError(f"{len(hits)} tasks contain {key!r} ({shown}); give the task's number from "
+                         f"--list (e.g. --task {tasks.index(hits[0]) + 1}), or a longer part of its key")
+    shown = ", ".join(tasks[:5]) + (f", ... ({len(tasks)} in all, see --list)" if len(tasks) > 5 else "")
+    raise ValueError(f"no stored task matches {key!r}; known tasks: {shown or 'none (empty memory)'}")
 
 
 def short(state, width=10):
@@ -90,19 +105,22 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("source", help="run folder, checkpoint folder, state.json, or a GraphMemory.state_dict() file")
     parser.add_argument("--checkpoint", default=None, help="checkpoint of a run folder (default: the newest)")
-    parser.add_argument("--task", default=None, help="task key, or a part of it that only one key contains")
+    parser.add_argument("--task", default=None, help="task key, its number in --list (1 = the first), "
+                        "or a part of a key that only one key contains")
     parser.add_argument("--format", choices=("dot", "json"), default="dot")
     parser.add_argument("--out", default=None, help="output file (default: standard output)")
-    parser.add_argument("--list", action="store_true", help="list the stored tasks with their sizes")
+    parser.add_argument("--list", action="store_true", help="list the stored tasks, numbered, with their sizes")
     a = parser.parse_args(argv)
     try:
         memory = load_memory(a.source, a.checkpoint)
         if a.list:
-            for task in sorted(memory.order):
-                print(f"{task}\t{len(memory.order[task])} edges")
+            for index, task in enumerate(sorted(memory.order), 1):   # the numbers --task takes
+                print(f"{index}\t{task}\t{len(memory.order[task])} edges")
+            if not memory.order:
+                print("export_graph.py: the memory holds no task (empty memory)", file=sys.stderr)
             return
         if a.task is None:
-            raise ValueError("give --task KEY (see --list)")
+            raise ValueError("give --task KEY, or --task N for the N-th task of --list")
         task = find_task(memory, a.task)
     except ValueError as e:
         sys.exit(f"export_graph.py: error: {e}")
