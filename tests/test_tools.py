@@ -10,8 +10,8 @@ import tigpo
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def tool(*argv, env=None):
-    return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=900,
+def tool(*argv, env=None, cwd=ROOT):
+    return subprocess.run([sys.executable, *argv], cwd=cwd, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
@@ -110,16 +110,30 @@ def test_graph_export_ambiguous_part_names_the_candidates_and_the_way_out(tmp_pa
 
 
 # ---------------------------------------------------------------------------------------------- plot
-def fake_run(folder, algo, seed, updates):
+def fake_run(folder, algo, seed, updates, kl=True, episodes=False, eval_at=None,
+             splits=("valid_seen",), eval_values=None):
+    """A run folder like train.py writes: per-update metrics, eval rows at `eval_at` (default: update
+    0 only), `kl` null when kl is False (--kl-coef 0), eval/<split>/episodes when episodes."""
     os.makedirs(folder)
     with open(os.path.join(folder, "config.json"), "w") as fh:
-        json.dump({"algo": algo, "seed": seed}, fh)
+        json.dump({"algo": algo, "seed": seed, "kl_coef": 0.01 if kl else 0.0}, fh)
+    eval_at = (0,) if eval_at is None else eval_at
+    eval_values = eval_values or {}
     with open(os.path.join(folder, "metrics.jsonl"), "w") as fh:
-        fh.write(json.dumps({"update": 0, "eval/valid_seen/success_rate": 0.1}) + "\n")
-        for u in range(1, updates + 1):
-            fh.write(json.dumps({"update": u, "success_rate": u / 10 + seed / 100, "valid_action_ratio": 0.5,
-                                 "kl": 1e-4 * u, "zero_adv_frac": 0.3, "graph_nodes": 3 * u, "graph_edges": 4 * u,
-                                 "task_hit_rate": 0.5, "state_hit_rate": 0.2, "distinct_actions": 5}) + "\n")
+        for u in range(0, updates + 1):
+            row = {"update": u}
+            if u > 0:
+                row.update({"success_rate": u / 10 + seed / 100, "valid_action_ratio": 0.5,
+                            "kl": 1e-4 * u if kl else None, "zero_adv_frac": 0.3, "graph_nodes": 3 * u,
+                            "graph_edges": 4 * u, "task_hit_rate": 0.5, "state_hit_rate": 0.2,
+                            "distinct_actions": 5})
+            if u in eval_at:
+                for split in splits:
+                    row[f"eval/{split}/success_rate"] = eval_values.get(split, 0.1)
+                    if episodes:
+                        row[f"eval/{split}/episodes"] = 4 if split == "train" else 6
+            if len(row) > 1:
+                fh.write(json.dumps(row) + "\n")
         fh.write('{"update": 99, "success_ra')                      # a run still writing
 
 
@@ -133,6 +147,107 @@ def test_plot_writes_a_png_and_an_svg_for_several_runs_and_a_one_line_run(tmp_pa
     png = (tmp_path / "fig" / "curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert (tmp_path / "fig" / "curves.svg").read_text().lstrip().startswith("<?xml")
+    assert not (tmp_path / "a" / "plots.png").exists() and not (tmp_path / "plots.png").exists()
+
+
+def test_plot_writes_next_to_the_run_by_default_not_into_the_current_folder(tmp_path):
+    runs = tmp_path / "runs"
+    fake_run(str(runs / "alfworld-tigpo-seed0"), "tigpo", 0, 3, kl=False)
+    fake_run(str(runs / "alfworld-grpo-seed0"), "grpo", 0, 3, kl=False)
+    here = tmp_path / "elsewhere"
+    here.mkdir()
+    one = tool(os.path.join(ROOT, "tools", "plot.py"), str(runs / "alfworld-tigpo-seed0"), cwd=str(here))
+    assert one.returncode == 0, one.stderr[-2000:]
+    for ext in ("png", "svg"):
+        assert (runs / "alfworld-tigpo-seed0" / f"plots.{ext}").stat().st_size > 1000
+    several = tool(os.path.join(ROOT, "tools", "plot.py"), str(runs / "alfworld-tigpo-seed0"),
+                   str(runs / "alfworld-grpo-seed0"), cwd=str(here))
+    assert several.returncode == 0, several.stderr[-2000:]
+    assert (runs / "plots.png").stat().st_size > 1000 and (runs / "plots.svg").exists()
+    assert str(runs / "plots.png") in several.stdout
+    assert list(here.iterdir()) == []                                 # nothing in the current folder
+    # runs/* now also matches runs/plots.png and runs/plots.svg: skipped, with a note
+    again = tool(os.path.join(ROOT, "tools", "plot.py"), *sorted(str(p) for p in runs.iterdir()), cwd=str(here))
+    assert again.returncode == 0 and "skipped" in again.stderr and "plots.png" in again.stderr
+
+
+def figure_of(*folders):
+    from tools import plot
+    fig = plot.make_figure([plot.read_run(f) for f in folders])
+    return fig, {ax.get_title(): ax for ax in fig.axes}
+
+
+def eval_points(ax):
+    """[(label, marker, linestyle, xs, ys, bar segments)] of the eval error-bar series of a panel."""
+    out = []
+    for container in ax.containers:
+        line, _, bars = container.lines
+        segments = [seg.tolist() for coll in bars for seg in coll.get_segments()]
+        out.append((container.get_label(), line.get_marker(), line.get_linestyle(), list(line.get_xdata()),
+                    list(line.get_ydata()), segments))
+    return out
+
+
+def panel_text(ax):
+    return " ".join(t.get_text() for t in ax.texts)
+
+
+def test_plot_figure_has_every_panel_and_splits_training_games_from_held_out(tmp_path):
+    run = str(tmp_path / "alfworld-tigpo-seed0")   # the default run's shape: eval before and after, no KL
+    fake_run(run, "tigpo", 0, 6, kl=False, eval_at=(0, 6), splits=("train", "valid_seen", "valid_unseen"),
+             eval_values={"train": 0.5, "valid_seen": 0.0, "valid_unseen": 0.0})
+    fig, axes = figure_of(run)
+    from tools import plot
+    assert list(axes) == [title for title, *_ in plot.PANELS]          # the same grid for every run
+    assert len(axes) == 9 and all(ax.get_visible() for ax in axes.values())
+    train = eval_points(axes["eval success on the training games"])
+    assert [(label, ys) for label, _, _, _, ys, _ in train] == [("tigpo seed 0", [0.5, 0.5])]
+    held_out = eval_points(axes["held-out success"])
+    assert sorted(label for label, *_ in held_out) == ["tigpo seed 0 valid_seen", "tigpo seed 0 valid_unseen"]
+    for _, marker, linestyle, xs, ys, bars in held_out:                 # sparse evals: markers, no line
+        assert marker not in (None, "", "None") and linestyle == "None" and ys == [0.0, 0.0] and bars == []
+    (_, m1, _, xs1, _, _), (_, m2, _, xs2, _, _) = held_out
+    assert m1 != m2                                                    # two splits at 0: both visible
+    assert all(0 < abs(a - b) < 1 for a, b in zip(xs1, xs2)) and [round(x) for x in xs1] == [0, 6]
+    legend = [t.get_text() for t in axes["held-out success"].get_legend().get_texts()]
+    assert legend == ["tigpo seed 0 valid_seen", "tigpo seed 0 valid_unseen"]
+    kl = axes["KL(pi || ref), per token"]
+    assert "no KL term" in panel_text(kl) and "--kl-coef 0" in panel_text(kl) and not kl.lines
+    training = axes["training success rate"]
+    assert [list(line.get_ydata()) for line in training.lines] == [[u / 10 for u in range(1, 7)]]
+    assert training.get_xlim() == axes["held-out success"].get_xlim()  # the same updates under every panel
+
+
+def test_plot_eval_bars_are_95_percent_wilson_intervals_when_episodes_are_logged(tmp_path):
+    from tools import plot
+    lo, hi = plot.wilson(0.5, 4)
+    assert abs(lo - 0.150) < 1e-3 and abs(hi - 0.850) < 1e-3
+    lo, hi = plot.wilson(0.0, 6)
+    assert lo == 0.0 and abs(hi - 0.390) < 1e-3
+    run = str(tmp_path / "r")
+    fake_run(run, "tigpo", 0, 4, eval_at=(0, 2, 4), splits=("train", "valid_unseen"), episodes=True,
+             eval_values={"train": 0.5, "valid_unseen": 0.0})
+    _, axes = figure_of(run)
+    [(_, _, _, xs, ys, bars)] = eval_points(axes["eval success on the training games"])
+    assert ys == [0.5] * 3 and len(bars) == 3
+    for x, (seg_lo, seg_hi) in zip(xs, bars):
+        assert seg_lo[0] == seg_hi[0] == x and abs(seg_lo[1] - 0.150) < 1e-3 and abs(seg_hi[1] - 0.850) < 1e-3
+    [(_, _, _, _, _, bars)] = eval_points(axes["held-out success"])
+    assert all(abs(a[1]) < 1e-9 and abs(b[1] - 0.390) < 1e-3 for a, b in bars)
+    assert "95% Wilson" in axes["held-out success"].get_legend().get_title().get_text()
+    kl = axes["KL(pi || ref), per token"]
+    assert kl.lines and "no KL term" not in panel_text(kl)
+
+
+def test_plot_dense_evals_are_joined_and_a_panel_nobody_logged_says_so(tmp_path):
+    runs = [str(tmp_path / f"s{seed}") for seed in (0, 1)]
+    for seed, run in enumerate(runs):
+        fake_run(run, "tigpo", seed, 9, eval_at=tuple(range(10)), splits=("valid_seen",))
+    _, axes = figure_of(*runs)
+    series = eval_points(axes["held-out success"])
+    assert len(series) == 3 and all(linestyle == ":" for _, _, linestyle, *_ in series)   # 2 runs + mean
+    assert [label for label, *_ in series if not label.startswith("_")] == ["tigpo (mean ± std of 2) valid_seen"]
+    assert "no eval on the training games" in panel_text(axes["eval success on the training games"])
 
 
 def test_plot_without_matplotlib_says_how_to_install_it(tmp_path):
