@@ -21,7 +21,6 @@ marked *(choice)* here and in docs/ALGORITHM.md.
 """
 import math
 import random
-import sys
 from collections import defaultdict, deque
 
 __all__ = ["SUCCESS", "ALGOS", "NORMS", "compute_advantages", "GraphMemory", "RevisitScheduler"]
@@ -65,11 +64,26 @@ def _check_groups(groups, algo, norm):
         if kind not in ("explore", "revisit"):
             raise ValueError(f"{where} has kind {kind!r}: use 'explore' or 'revisit'")
         # Checked for every algo, not only tigpo, so a broken schedule fails on any baseline too.
-        # (len, not truthiness: ref_scores may be a NumPy array)
-        ref_scores = group.get("ref_scores")
-        if kind == "revisit" and (ref_scores is None or len(ref_scores) == 0):
-            raise ValueError(f"{where} is a revisit group without ref_scores: pass the scores "
-                             f"Z_E recorded at exploration (RevisitScheduler.plan gives them)")
+        # Any number >= 1 of scores is accepted: E8's pool Z_E u Z_now is well defined for every
+        # size, and the count need not be this group's K *(choice)*.
+        if kind == "revisit":
+            _check_ref_scores(group.get("ref_scores"), where)
+
+
+def _check_ref_scores(ref_scores, where):
+    if ref_scores is None:
+        raise ValueError(f"{where} is a revisit group without ref_scores: pass the scores "
+                         f"Z_E recorded at exploration (RevisitScheduler.plan gives them)")
+    try:
+        size = len(ref_scores)   # len, not truthiness: ref_scores may be a NumPy array
+    except TypeError:
+        size = None
+    if size is None or isinstance(ref_scores, (str, bytes)):
+        raise ValueError(f"{where} has ref_scores {ref_scores!r}: pass the list of scores Z_E "
+                         f"recorded at exploration, not a single number")
+    if size == 0:
+        raise ValueError(f"{where} is a revisit group with empty ref_scores: pass the scores "
+                         f"Z_E recorded at exploration (RevisitScheduler.plan gives them)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,10 +95,14 @@ def _norm_stats(pool, norm, eps):
     that an advantage is (z - mean) / scale. scale = sample std (ddof=1, as torch.std) + eps, or
     1.0 for norm="mean" (GiGPO "w/o std"; dividing by 1.0 is exact). A set of one gives its own
     value and 1.0, so its advantage is exactly 0 *(choice: verl-agent gives a lone rollout its
-    raw score)*."""
+    raw score)*; so does a set of equal values, whose spread is 0."""
     n = len(pool)
-    if n == 1:
-        return pool[0], 1.0
+    first = pool[0]
+    # Equal values first: sum / n is inexact for n not a power of two (3 * 6.6 / 3 = 6.6 + 9e-16,
+    # and eps would turn that into a 9e-10 advantage). list.count runs in C, and E3's equal-return
+    # anchors skip the sum and the loop below.
+    if n == 1 or pool.count(first) == n:
+        return first, 1.0
     mean = sum(pool) / n
     if norm == "mean":
         return mean, 1.0
@@ -214,7 +232,8 @@ def compute_advantages(groups, algo="tigpo", memory=None, *, success_reward=10.0
     by tigpo only and never written: call memory.add(groups) after the update (E10). Inputs are
     never mutated. A trajectory with no action gets an empty step list. Raises ValueError on an
     unknown algo or norm, an empty group, ragged states/valid, or a revisit group whose
-    ref_scores are missing, None or empty (for every algo)."""
+    ref_scores are missing, None, empty or not a sequence (for every algo); any number of
+    ref_scores >= 1 is fine (E8 pools them with the group's K scores)."""
     _check_groups(groups, algo, norm)
     if memory is not None and not isinstance(memory, GraphMemory):
         raise ValueError(f"memory must be a GraphMemory or None, got {type(memory).__name__}")
@@ -341,28 +360,21 @@ class GraphMemory:
 
     def stats(self, groups=None):
         """The diagnostics the paper plots: stored tasks, nodes (SUCCESS counts as a node of each
-        task that reached it) and edges, each task's nodes and edges (mean and max), the edges the
-        bound evicted so far, and an estimate of the memory's size in bytes (its containers and
-        strings, each string counted once). With `groups` (call it before add), also
+        task that reached it) and edges, each task's nodes and edges (mean and max), and the edges
+        the bound evicted so far (the size in bytes is trainer/runlog.py's memory_bytes, a
+        diagnostic kept out of the core). With `groups` (call it before add), also
         task_hit_rate, the fraction of those groups whose task is stored, and state_hit_rate, the
         fraction of their current source states s_{i,t} (every step counts) already a node of that
         task's stored graph; each is 0.0 when there is nothing to count. Costs O(stored edges)."""
         nodes = {t: self._nodes(t) for t in self.order}
         edges = [len(o) for o in self.order.values()]
         sizes = [len(n) for n in nodes.values()]
-        strings = {id(x): x for task_nodes in nodes.values() for x in task_nodes}
-        strings.update((id(t), t) for t in self.order)
-        size = (sys.getsizeof(self.preds) + sys.getsizeof(self.order)
-                + sum(sys.getsizeof(x) for x in strings.values())
-                + sum(sys.getsizeof(p) + sum(sys.getsizeof(srcs) for srcs in p.values())
-                      for p in self.preds.values())
-                + sum(sys.getsizeof(o) + len(o) * sys.getsizeof((None, None)) for o in self.order.values()))
         out = {"tasks": len(self.order), "nodes": sum(sizes), "edges": sum(edges),
                "nodes_per_task_mean": sum(sizes) / len(sizes) if sizes else 0.0,
                "nodes_per_task_max": max(sizes, default=0),
                "edges_per_task_mean": sum(edges) / len(edges) if edges else 0.0,
                "edges_per_task_max": max(edges, default=0),
-               "evicted_edges": self.evicted, "bytes": size}
+               "evicted_edges": self.evicted}
         if groups is not None:
             steps, hits = 0, 0
             for group in groups:
@@ -395,13 +407,17 @@ class GraphMemory:
 # ---------------------------------------------------------------------------------------------
 
 class RevisitScheduler:
-    """E11: num_groups group slots per update, at most revisit_groups of them revisits.
+    """E11: num_groups group slots per update, at most revisit_groups of them revisits, each
+    exactly `delay` updates after its exploration.
 
-    Every exploration group of update k is queued (FIFO) as (k, task, Z_E) by record. plan(k)
-    fills revisit slots from the queue front while the front entry is due (k_E + delay <= k);
-    each entry is used once *(choice)*. Slots left over go to exploration, so the rollout budget
-    num_groups * K never changes. Exploration walks a seeded shuffle of `tasks`, reshuffled at
-    each epoch start (an epoch may end in the middle of a plan). Call plan once per update."""
+    record(k, groups) queues update k's exploration groups as (k, task, Z_E), in plan order.
+    plan(k) gives the revisit slots to the entries explored at k - delay, in that order; a due
+    entry beyond the revisit_groups slots is dropped, never served later, so that no revisit
+    comes late *(choice)*, and counted in `dropped` (so is an entry whose update was never
+    planned). Each entry is used once. Slots left over go to exploration, so the rollout budget
+    num_groups * K never changes. record(k) comes after plan(k), so a revisit needs delay >= 1.
+    Exploration walks a seeded shuffle of `tasks`, reshuffled at each epoch start (an epoch may
+    end in the middle of a plan). Call plan once per update, with consecutive updates."""
 
     def __init__(self, tasks, num_groups, revisit_groups, delay, seed=0):
         self.tasks = list(tasks)
@@ -414,20 +430,30 @@ class RevisitScheduler:
         if revisit_groups > num_groups:
             raise ValueError(f"revisit_groups ({revisit_groups}) > num_groups ({num_groups}): "
                              f"revisits take slots of the fixed budget, use at most num_groups")
+        if revisit_groups and delay < 1:
+            raise ValueError(f"delay must be >= 1 with revisit_groups > 0, got {delay}: a group "
+                             f"explored at update k is recorded after plan(k), so k + 1 is the "
+                             f"first update that can revisit it")
         self.num_groups, self.revisit_groups, self.delay = num_groups, revisit_groups, delay
         self.rng = random.Random(seed)
-        self.queue = deque()   # (k_E, task, Z_E), oldest first
+        self.queue = deque()   # (k_E, task, Z_E) of the last `delay` updates, oldest first
+        self.dropped = 0       # entries never revisited (no free slot at k_E + delay)
         self.epoch = []        # this epoch's shuffled task order ...
         self.pos = 0           # ... and how much of it has been explored
 
     def plan(self, update):
         """The num_groups slots of update `update`: revisits first, then explorations; each a
         dict {"task", "kind", "ref_scores"} (ref_scores None for explorations)."""
-        slots = []
-        while (len(slots) < self.revisit_groups and self.queue
-               and self.queue[0][0] + self.delay <= update):
-            _, task, ref_scores = self.queue.popleft()
-            slots.append({"task": task, "kind": "revisit", "ref_scores": list(ref_scores)})
+        slots, waiting = [], deque()
+        for entry in self.queue:   # at most delay * num_groups entries
+            due = entry[0] + self.delay
+            if due > update:
+                waiting.append(entry)
+            elif due == update and len(slots) < self.revisit_groups:
+                slots.append({"task": entry[1], "kind": "revisit", "ref_scores": list(entry[2])})
+            else:   # no slot left at its update, or its update was skipped: never served late
+                self.dropped += 1
+        self.queue = waiting
         while len(slots) < self.num_groups:
             if self.pos == len(self.epoch):   # epoch start: a fresh pass over the task list
                 self.epoch = list(self.tasks)
@@ -438,9 +464,12 @@ class RevisitScheduler:
         return slots
 
     def record(self, update, groups):
-        """Queue this update's exploration groups with their detached scores Z_E (E8, E11)."""
+        """Queue this update's exploration groups with their detached scores Z_E (E8, E11), in
+        the order given (plan order); nothing is queued when revisit_groups is 0."""
         for g, group in enumerate(groups):
             _check_trajs(group, g)
+        if not self.revisit_groups:
+            return
         for group in groups:
             if group.get("kind", "explore") == "explore":
                 self.queue.append(
@@ -452,18 +481,23 @@ class RevisitScheduler:
         return {"tasks": list(self.tasks), "num_groups": self.num_groups,
                 "revisit_groups": self.revisit_groups, "delay": self.delay,
                 "queue": [[k, task, list(z)] for k, task, z in self.queue],
-                "epoch": list(self.epoch), "pos": self.pos,
+                "dropped": self.dropped, "epoch": list(self.epoch), "pos": self.pos,
                 "rng": [version, list(internal), gauss_next]}
 
     def load_state_dict(self, state):
-        """Restore a saved schedule; the settings must match this scheduler's."""
+        """Restore a saved schedule; the settings must match this scheduler's. A state saved
+        before `dropped` existed loads with dropped = 0; its queue entries that are already
+        late are dropped (and counted) by the next plan."""
         for key in ("tasks", "num_groups", "revisit_groups", "delay"):
             mine = getattr(self, key)
             if state[key] != mine:
                 shown = "the task list" if key == "tasks" else f"{state[key]!r} != {mine!r}"
                 raise ValueError(f"scheduler state has a different {key} ({shown}): resume "
                                  f"with the settings it was saved with")
-        self.queue = deque((k, task, list(z)) for k, task, z in state["queue"])
+        # (an old exploration-only state may hold a queue: nothing would ever read it)
+        self.queue = deque((k, task, list(z)) for k, task, z in state["queue"]
+                           if self.revisit_groups)
+        self.dropped = state.get("dropped", 0)
         self.epoch, self.pos = list(state["epoch"]), state["pos"]
         version, internal, gauss_next = state["rng"]
         self.rng.setstate((version, tuple(internal), gauss_next))

@@ -81,6 +81,59 @@ def test_e8_pools_reference_scores_for_revisit_groups():
                  [[[7.5], [7.5], [-2.5], [-2.5]]])
 
 
+def test_e8_reference_scores_of_any_size_are_pooled():
+    # Z_E need not have the group's K scores: the pool Z_E u Z_now is well defined for any size.
+    # One score: Z = [5] u [10, 0] = [5, 10, 0]: mean 5, sample variance (0 + 25 + 25) / 2 = 25.
+    one = [group("x", [traj(["a0", "b0"], score=10.0, success=True), traj(["a1", "b1"])],
+                 kind="revisit", ref_scores=[5.0])]
+    assert close(compute_advantages(one, "tigpo"), [[[5 / (5 + EPS)], [-5 / (5 + EPS)]]])
+    # Two scores, four rollouts: Z = [0, 10] u [10, 0, 0, 0]: mean 20 / 6 = 10 / 3; squared
+    # deviations 2 * (20/3)^2 + 4 * (10/3)^2 = 1200 / 9; sample variance 1200 / 9 / 5 = 80 / 3.
+    trajs = [traj([f"a{i}", f"b{i}"], score=z, success=z > 0) for i, z in enumerate([10, 0, 0, 0])]
+    two = [group("x", trajs, kind="revisit", ref_scores=[0.0, 10.0])]
+    std = math.sqrt(80 / 3)
+    win, lose = (20 / 3) / (std + EPS), -(10 / 3) / (std + EPS)
+    assert close(compute_advantages(two, "tigpo"), [[[win], [lose], [lose], [lose]]])
+
+
+# 6.6 three or six times: sum / n is 6.6 + 8.9e-16, not 6.6, and eps would turn that into an
+# advantage of +-9e-10. A set of equal values has no spread: every advantage must be exactly 0.
+def equal_trajs(score, n=3):
+    """n one-step rollouts from s0 to distinct next states, all with one score, none won."""
+    return [traj(["s0", f"n{i}"], score=score) for i in range(n)]
+
+
+@pytest.mark.parametrize("norm", ["mean_std", "mean"])
+def test_e1_equal_scores_give_exactly_zero(norm):
+    g = [{"task": "x", "trajs": [{"states": ["a", "b"], "valid": [True], "score": 6.6,
+                                  "success": False}] * 3}]
+    assert compute_advantages(g, "grpo", norm=norm) == [[[0.0], [0.0], [0.0]]]
+
+
+@pytest.mark.parametrize("norm", ["mean_std", "mean"])
+def test_e3_equal_step_returns_give_exactly_zero(norm):
+    # gigpo: T = 1, so E2's R_{i,0} = 6.6 for all three steps of anchor s0 (and E1 sees 6.6 x 3).
+    assert compute_advantages([group("x", equal_trajs(6.6))], "gigpo", norm=norm) == [[[0.0]] * 3]
+    # graphgpo: nobody wins, every d = 1: q = 10 * 0.01 = 0.1 for all three steps of anchor s0
+    # (3 * 0.1 / 3 is not 0.1); the scores are all 0, so E1 is exactly 0 already.
+    batch = [group("x", equal_trajs(0.0))]
+    assert compute_advantages(batch, "graphgpo", graph_gamma=0.01, norm=norm) == [[[0.0]] * 3]
+    # tigpo: the memory has n_i -> SUCCESS for every next state: d = 1, q = 0.1 again, on H u G.
+    memory = GraphMemory()
+    memory.add([group("x", [traj([f"n{i}", "z"], score=10.0, success=True) for i in range(3)])])
+    assert memory.distances("x")["n0"] == 1
+    assert compute_advantages(batch, "tigpo", memory, graph_gamma=0.01, norm=norm) == [[[0.0]] * 3]
+
+
+@pytest.mark.parametrize("norm", ["mean_std", "mean"])
+def test_e8_current_scores_equal_to_reference_scores_give_exactly_zero(norm):
+    # Z = Z_E u Z_now = six times 6.6 (sum / 6 is not 6.6); the next states are distinct, so
+    # every E3 anchor holds one step and the step term is 0.
+    trajs = [traj([f"a{i}", f"b{i}"], score=6.6) for i in range(3)]
+    batch = [group("x", trajs, kind="revisit", ref_scores=[6.6, 6.6, 6.6])]
+    assert compute_advantages(batch, "tigpo", cross_temporal=True, norm=norm) == [[[0.0]] * 3]
+
+
 @pytest.mark.parametrize("algo,kwargs", [("tigpo", {"cross_temporal": False}), ("grpo", {}),
                                          ("gigpo", {}), ("graphgpo", {})])
 def test_e8_off_and_baselines_use_e1_on_revisit_groups(algo, kwargs):
@@ -216,6 +269,16 @@ def test_bad_input_raises_value_error_naming_the_group(algo):
         compute_advantages([ok, ragged], algo)
     with pytest.raises(ValueError, match="group 1 .*without ref_scores"):
         compute_advantages([ok, group("y", [traj(["a", "b"])], kind="revisit")], algo)
+    with pytest.raises(ValueError, match="group 1 .*without ref_scores"):
+        compute_advantages([ok, {**group("y", [traj(["a", "b"])], kind="revisit"),
+                                 "ref_scores": None}], algo)
+    with pytest.raises(ValueError, match="group 1 .*empty ref_scores"):
+        compute_advantages([ok, group("y", [traj(["a", "b"])], kind="revisit", ref_scores=[])],
+                           algo)
+    for scalar in (5.0, "5"):   # the mean of Z_E instead of Z_E: named, not a TypeError
+        with pytest.raises(ValueError, match="group 1 .*not a single number"):
+            compute_advantages([ok, group("y", [traj(["a", "b"])], kind="revisit",
+                                          ref_scores=scalar)], algo)
     with pytest.raises(ValueError, match="group 0 .*kind"):
         compute_advantages([group("y", [traj(["a", "b"])], kind="replay")], algo)
 
@@ -252,7 +315,24 @@ def test_e10_memory_stores_valid_transitions_without_self_loops():
     # one task: per-task mean and max are its own numbers; nothing evicted without a bound
     assert (stats["nodes_per_task_mean"], stats["nodes_per_task_max"]) == (4.0, 4)   # s0, s1, s3, SUCCESS
     assert (stats["edges_per_task_mean"], stats["edges_per_task_max"]) == (3.0, 3)
-    assert stats["evicted_edges"] == 0 and stats["bytes"] > GraphMemory().stats()["bytes"]
+    assert stats["evicted_edges"] == 0
+    assert "bytes" not in stats   # the size estimate is trainer/runlog.py's memory_bytes
+
+
+def test_memory_size_estimate_lives_in_the_trainer_log():
+    runlog = pytest.importorskip("trainer.runlog")   # numpy, tqdm: not the core's dependencies
+    memory = GraphMemory()
+    empty = runlog.memory_bytes(memory)
+    memory.add([chain_group("x", "a", "b", "c")])
+    one = runlog.memory_bytes(memory)
+    memory.add([chain_group("x", "c", "d"), chain_group("y", "p", "q")])
+    assert empty < one < runlog.memory_bytes(memory)
+    # graph_metrics keeps logging graph_bytes when it gets the memory, and only then
+    stats = memory.stats([chain_group("x", "a", "b")])
+    logged = runlog.graph_metrics(stats, memory)
+    assert logged["graph_bytes"] == runlog.memory_bytes(memory)
+    assert logged["graph_edges"] == 4 and logged["task_hit_rate"] == 1.0
+    assert "graph_bytes" not in runlog.graph_metrics(stats)
 
 
 def test_memory_add_checks_every_group_before_storing_any():
@@ -349,7 +429,7 @@ def test_e11_exploration_is_one_seeded_pass_per_epoch():
     assert sorted(drawn[:5]) == sorted(drawn[5:]) == tasks
 
 
-def test_e11_delay_fifo_one_use_and_fallback_to_exploration():
+def test_e11_delay_one_use_and_fallback_to_exploration():
     sched = RevisitScheduler(["t0", "t1", "t2"], num_groups=3, revisit_groups=2, delay=2)
     first = sched.plan(0)
     assert [s["kind"] for s in first] == ["explore"] * 3
@@ -359,7 +439,7 @@ def test_e11_delay_fifo_one_use_and_fallback_to_exploration():
                      group("e", [traj(["s", "t"])], kind="revisit", ref_scores=[1.0])])
     # Update 1: nothing is due yet (0 + 2 > 1): every slot explores, B stays 3.
     assert [s["kind"] for s in sched.plan(1)] == ["explore"] * 3
-    # Update 2: the entries of update 0 are due, taken front first (FIFO), with their scores.
+    # Update 2: the entries of update 0 are due, in the order recorded, with their scores.
     plan2 = sched.plan(2)
     assert [(s["task"], s["kind"], s["ref_scores"]) for s in plan2[:2]] == [
         ("a", "revisit", [10.0, 0.0]), ("b", "revisit", [0.0, 0.0])]
@@ -376,6 +456,96 @@ def test_e11_zero_revisit_slots_is_exploration_only():
     sched = RevisitScheduler(["t0", "t1"], num_groups=2, revisit_groups=0, delay=0)
     sched.record(0, [scored("a", 1.0)])
     assert [s["kind"] for s in sched.plan(5)] == ["explore", "explore"]
+    assert not sched.queue and sched.dropped == 0   # nothing queued that nothing would read
+
+
+def test_e11_delay_zero_is_rejected_with_revisit_slots():
+    # record(k) runs after plan(k): a group can never be revisited in its own update, so delay 0
+    # would silently never revisit. The old FIFO served such entries one update late.
+    with pytest.raises(ValueError, match="delay must be >= 1"):
+        RevisitScheduler(["t"], num_groups=2, revisit_groups=1, delay=0)
+
+
+def fake_groups(plan, update):
+    """The plan's groups as train.py records them (K = 2): an exploration's two scores are the
+    update and the slot it was explored in, so a revisit's ref_scores say where it came from."""
+    return [group(s["task"], [traj(["s", "t"], score=float(update)),
+                              traj(["s", "t"], score=float(slot))],
+                  kind=s["kind"], ref_scores=s["ref_scores"]) for slot, s in enumerate(plan)]
+
+
+def run_schedule(sched, first, last):
+    """plan + record for updates first..last; {update: [(kind, task, (k_E, slot) or None)]}."""
+    out = {}
+    for k in range(first, last + 1):
+        plan = sched.plan(k)
+        out[k] = [(s["kind"], s["task"], tuple(s["ref_scores"]) if s["ref_scores"] else None)
+                  for s in plan]
+        sched.record(k, fake_groups(plan, k))
+    return out
+
+
+def test_e11_paper_preset_revisits_exactly_delta_after_exploration():
+    # B = 16, B_R = 8, Delta = 10 over 250 updates. Updates 1-10 explore 16 groups each; at
+    # 11-20 16 are due and 8 slots free: the first 8 in plan order are revisited, 8 dropped. From
+    # 21 on, exactly the 8 explorations of k - 10 are due. (The old FIFO never drained its
+    # backlog: its delay grew to 2 * Delta = 20 by update 31, e.g. update 60 revisited 40.)
+    sched = RevisitScheduler(range(24), 16, 8, 10)
+    explored = {}   # (k_E, slot) -> task
+    for k in range(1, 251):
+        plan = run_schedule(sched, k, k)[k]
+        assert len(sched.queue) <= 10 * 16   # bounded: only the last Delta updates' explorations
+        revisits = [ref for kind, _, ref in plan if kind == "revisit"]
+        assert len(revisits) == (0 if k <= 10 else 8)
+        kinds = ["revisit"] * len(revisits) + ["explore"] * (16 - len(revisits))
+        assert [kind for kind, _, _ in plan] == kinds   # revisits first, 16 slots
+        for _, task, (k_e, slot) in plan[:len(revisits)]:
+            assert k - k_e == 10
+            assert explored.pop((k_e, slot)) == task
+        assert [slot for _, slot in revisits] == ([] if k <= 10 else
+                                                  list(range(8)) if k <= 20 else list(range(8, 16)))
+        explored.update(((k, slot), task) for slot, (kind, task, _) in enumerate(plan)
+                        if kind == "explore")
+    assert sched.dropped == 80               # 8 at each of updates 11-20, none after
+    # never revisited: the 80 dropped, and the explorations of 241-250 (not due before the end)
+    assert len(explored) == 80 + 10 * 8
+
+
+def test_e11_cpu_preset_schedule():
+    # B = 4, B_R = 2, Delta = 1: update 1 explores 4; from update 2 on, the first two explorations
+    # of the update before are revisited (update 1's slots 0 and 1, then slots 2 and 3 of the
+    # update before, where its explorations sit); update 1's slots 2 and 3 are dropped.
+    tasks = ["pick/0", "pick/1", "look/0", "look/1"]
+    sched = RevisitScheduler(tasks, 4, 2, 1)
+    plans = run_schedule(sched, 1, 6)
+    assert [kind for kind, _, _ in plans[1]] == ["explore"] * 4
+    for k in range(2, 7):
+        assert [kind for kind, _, _ in plans[k]] == ["revisit"] * 2 + ["explore"] * 2
+        before = plans[k - 1]
+        slots = [0, 1] if k == 2 else [2, 3]
+        assert [(task, ref) for _, task, ref in plans[k][:2]] == [
+            (before[slot][1], (k - 1, slot)) for slot in slots]
+    assert sched.dropped == 2
+
+
+def test_e11_fewer_due_than_revisit_slots_explore_and_keep_the_budget():
+    # B = 4, B_R = 3, Delta = 1: only B - B_R = 1 group is explored after a full revisit update,
+    # so the next update has one due group: 1 revisit + 3 explorations; the update after has
+    # 3 due again. Every plan has 4 slots.
+    sched = RevisitScheduler([f"t{i}" for i in range(5)], 4, 3, 1)
+    plans = run_schedule(sched, 1, 9)
+    revisits = [sum(kind == "revisit" for kind, _, _ in plans[k]) for k in range(1, 10)]
+    assert revisits == [0, 3, 1, 3, 1, 3, 1, 3, 1]
+    assert all(len(plan) == 4 for plan in plans.values())
+    assert all(ref[0] == k - 1 for k, plan in plans.items() for _, _, ref in plan if ref)
+    assert sched.dropped == 1   # update 1's 4th exploration, at update 2
+
+
+def test_e11_an_entry_that_misses_its_update_is_dropped_not_served_late():
+    sched = RevisitScheduler(["t0", "t1"], 2, 2, 1)
+    sched.record(1, [scored("a", 1.0), scored("b", 2.0)])
+    assert [s["kind"] for s in sched.plan(3)] == ["explore", "explore"]   # update 2 never planned
+    assert not sched.queue and sched.dropped == 2
 
 
 def test_e11_bad_settings_raise():
@@ -404,3 +574,31 @@ def test_e11_state_dict_round_trip_gives_identical_next_plans():
     other = RevisitScheduler(tasks, num_groups=5, revisit_groups=2, delay=1)
     with pytest.raises(ValueError, match="num_groups"):
         other.load_state_dict(sched.state_dict())
+
+
+def test_e11_resume_at_update_37_of_the_paper_preset_gives_the_uninterrupted_plans():
+    tasks = [f"train/task{i}" for i in range(24)]
+    whole = RevisitScheduler(tasks, 16, 8, 10, seed=5)
+    run_schedule(whole, 1, 37)
+    state = json.loads(json.dumps(whole.state_dict()))
+    assert state["dropped"] == 80
+    resumed = RevisitScheduler(tasks, 16, 8, 10, seed=123)   # the seed is in the saved RNG state
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == whole.state_dict()
+    assert run_schedule(resumed, 38, 120) == run_schedule(whole, 38, 120)
+    assert resumed.dropped == whole.dropped == 80
+
+
+def test_e11_loads_a_state_saved_before_the_dropped_counter():
+    tasks = [f"t{i}" for i in range(6)]
+    sched = RevisitScheduler(tasks, 4, 2, 2, seed=1)
+    run_schedule(sched, 1, 5)
+    state = json.loads(json.dumps(sched.state_dict()))
+    saved = state.pop("dropped")
+    state["queue"].insert(0, [1, "t0", [0.0, 0.0]])   # an old FIFO backlog entry, long overdue
+    old = RevisitScheduler(tasks, 4, 2, 2)
+    old.load_state_dict(state)
+    assert old.dropped == 0
+    assert run_schedule(old, 6, 12) == run_schedule(sched, 6, 12)   # overdue: never served
+    assert saved == 4   # updates 3 and 4 each had 4 due and 2 slots
+    assert old.dropped == sched.dropped - saved + 1   # the drops after saving + the overdue one

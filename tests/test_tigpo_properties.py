@@ -18,7 +18,7 @@ TOL = 1e-9
 # ---------------------------------------------------------------------------------------------
 
 def naive_norm(values, pool, norm, eps):
-    if len(pool) == 1:
+    if len(set(pool)) == 1:   # one value, or equal values: no spread, exactly 0 (fmean is inexact)
         return [0.0 for _ in values]
     mean = statistics.fmean(pool)
     if norm == "mean":
@@ -224,28 +224,49 @@ def test_memory_bound_keeps_the_newest_edges_of_each_task():
                 bounded.state_dict()["edges"].items()} == log
 
 
-def test_scheduler_budget_and_queue_invariants():
+def test_scheduler_budget_and_exact_delay_invariants():
     rng = random.Random(19)
     tasks = [f"t{i}" for i in range(5)]
-    for _ in range(20):
+    for _ in range(40):
         num = rng.randint(1, 6)
-        revisit, delay = rng.randint(0, num), rng.randint(0, 3)
+        revisit = rng.randint(0, num)
+        delay = rng.randint(1 if revisit else 0, 3)
         sched = RevisitScheduler(tasks, num, revisit, delay, seed=rng.randint(0, 99))
-        recorded = []   # (update, task, scores) in record order: the naive FIFO
-        for k in range(12):
+        recorded, dropped = {}, 0   # naive: {update: [(task, scores)] in record order}
+        for k in range(1, 16):
             plan = sched.plan(k)
             assert len(plan) == num   # B never changes
             revisits = [s for s in plan if s["kind"] == "revisit"]
-            assert len(revisits) <= revisit
             assert plan[:len(revisits)] == revisits   # revisits come first
-            for s in revisits:
-                k_e, task, scores = recorded.pop(0)
-                assert k_e + delay <= k and (s["task"], s["ref_scores"]) == (task, scores)
-            # Leftover slots explore only when nothing more is due.
-            if len(revisits) < revisit and recorded:
-                assert recorded[0][0] + delay > k
+            # Exactly the groups explored at k - delay, the first `revisit` of them in record
+            # order; the rest are dropped, never served at a later update.
+            due = recorded.pop(k - delay, [])
+            assert [(s["task"], s["ref_scores"]) for s in revisits] == due[:revisit]
+            dropped += len(due[revisit:])
+            assert sched.dropped == dropped
             explored = [{"task": s["task"], "kind": "explore",
                          "trajs": [{"states": ["s"], "valid": [], "score": float(k),
                                     "success": False}]} for s in plan if s["kind"] == "explore"]
             sched.record(k, explored)
-            recorded += [(k, g["task"], [float(k)]) for g in explored]
+            if revisit:
+                recorded[k] = [(g["task"], [float(k)]) for g in explored]
+            assert len(sched.queue) <= delay * num   # the last `delay` updates' explorations
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("norm", ["mean_std", "mean"])
+def test_equal_values_give_exactly_zero(algo, norm):
+    """E1, E3 and E8 on sets of equal values: exactly 0, for any value and set size (sum / n is
+    inexact for most of them). Every rollout leaves s0 for its own next state in one step, with
+    the group's one score; nobody wins, so every E6 return is C * graph_gamma."""
+    rng = random.Random(23)
+    for _ in range(200):
+        value = rng.uniform(-10.0, 10.0)
+        trajs = [{"states": ["s0", f"n{i}"], "valid": [True], "score": value, "success": False}
+                 for i in range(rng.randint(2, 9))]
+        kind = rng.choice(["explore", "revisit"])
+        batch = [{"task": "x", "kind": kind, "trajs": trajs,
+                  "ref_scores": [value] * rng.randint(1, 9) if kind == "revisit" else None}]
+        got = compute_advantages(batch, algo, success_reward=rng.uniform(0.1, 20.0), norm=norm,
+                                 graph_gamma=rng.uniform(0.05, 0.5))
+        assert got == [[[0.0]] * len(trajs)], (algo, norm, value, len(trajs))

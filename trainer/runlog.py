@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import sys
 
 import numpy as np
 from tqdm import tqdm
@@ -44,11 +45,27 @@ def zero_advantage(advantages):
             "adv_mean": float(np.mean(flat)) if flat else 0.0}
 
 
-def graph_metrics(before):
+def memory_bytes(memory):
+    """An estimate of a tigpo.GraphMemory's size in bytes: its containers and strings, each string
+    counted once (sys.getsizeof, so shallow sizes; the state keys are shared with the rollouts).
+    A diagnostic, kept out of the core: O(stored edges)."""
+    strings = {id(x): x for order in memory.order.values() for edge in order for x in edge}
+    strings.update((id(t), t) for t in memory.order)
+    return (sys.getsizeof(memory.preds) + sys.getsizeof(memory.order)
+            + sum(sys.getsizeof(x) for x in strings.values())
+            + sum(sys.getsizeof(p) + sum(sys.getsizeof(srcs) for srcs in p.values())
+                  for p in memory.preds.values())
+            + sum(sys.getsizeof(o) + len(o) * sys.getsizeof((None, None)) for o in memory.order.values()))
+
+
+def graph_metrics(before, memory=None):
     """memory.stats(groups) taken before this update's E10 insert, as graph_* metrics (sizes,
-    per-task sizes, evicted edges, bytes) plus the task and state hit rates of this batch."""
+    per-task sizes, evicted edges) plus the task and state hit rates of this batch; with `memory`,
+    also graph_bytes, memory_bytes(memory) at the time of the call."""
     out = {f"graph_{k}": v for k, v in before.items() if not k.endswith("hit_rate")}
     out.update(task_hit_rate=before.get("task_hit_rate"), state_hit_rate=before.get("state_hit_rate"))
+    if memory is not None:
+        out["graph_bytes"] = memory_bytes(memory)
     return out
 
 
