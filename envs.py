@@ -263,14 +263,26 @@ def alfworld_tasks(root, split, task_types=None, max_receptacles=None):
     if not keys:
         raise ValueError(f"ALFWorld data folder {split_dir} holds no solvable games of the task "
                          f"types {task_types_of(task_types)} in scenes of at most {max_receptacles or 'any'} "
-                         f"receptacles: choose others, or re-run `alfworld-download` / "
-                         f"`python envs.py generate`")
+                         f"receptacles: widen the selection (train.py: --task-types all --max-receptacles 0), or "
+                         f"re-run `alfworld-download` / `python envs.py generate`")
     return tuple(sorted(keys))
 
 
 def task_type_of(task):
     """pick, look, clean, heat, cool or pick2, read from the task key's folder name."""
     return ALFWORLD_SHORT_TYPE[task.split("/")[1].split("-")[0]]
+
+
+def eval_subset(tasks, n):
+    """The first n games in a round robin over task types (each type's games in sorted order): the
+    same stratified subset every time; all games for n = 0."""
+    if not n or n >= len(tasks):
+        return list(tasks)
+    by_type = {}
+    for t in sorted(tasks):
+        by_type.setdefault(task_type_of(t) if "/" in t else "all", []).append(t)
+    rounds = [t for k in range(len(tasks)) for ts in by_type.values() if k < len(ts) for t in [ts[k]]]
+    return rounds[:n]
 
 
 class AlfWorldEnv:

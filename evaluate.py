@@ -19,7 +19,7 @@ import statistics
 import sys
 
 from trainer import checkpoint
-from trainer.checkpoint import UsageError
+from trainer.config import UsageError
 from environments.textenv import ALFWORLD_TASK_TYPES
 
 
@@ -66,15 +66,16 @@ def settings(a):
         model = a.model or os.path.join(root, name)
         out = a.out or (os.path.join(root, f"{name}.eval.json") if a.model is None else None)
     else:
-        args, _ = train.parse_args(["--env", a.env, "--preset", a.preset, "--model", a.model,
-                                    "--run-dir", os.path.join("runs", ".eval-settings-unused")])
         import torch
-        train.resolve_presets(args, torch.cuda.is_available() and a.device != "cpu")
+        args, _ = train.parse_args(["--env", a.env, "--preset", a.preset, "--model", a.model, "--device", a.device,
+                                    "--run-dir", os.path.join("runs", ".eval-settings-unused")],
+                                   cuda=torch.cuda.is_available())
         model = a.model
         out = None
     if out is None:
         out = a.out or os.path.join("runs", "eval-" + re.sub(r"[^\w.-]+", "_", model.strip("/")) + ".json")
     args.eval_tasks, args.eval_temperature, args.device = a.eval_tasks, a.eval_temperature, a.device
+    args.eval_repeats = 1       # the seeds are the repeats here
     if a.data_dir:
         args.data_dir = a.data_dir
     if a.webshop_url:
@@ -107,25 +108,23 @@ def main(argv=None):
     try:
         import torch
         import train
+        from trainer import build, models
         from trainer.distributed import Dist
         args, model_name, out = settings(a)
         if a.device == "cuda" and not torch.cuda.is_available():
             raise UsageError("--device cuda but no CUDA device is visible")
-        checkpoint.check_model_arg(model_name)
+        models.check_model_arg(model_name)
         device = torch.device("cuda" if torch.cuda.is_available() and a.device != "cpu" else "cpu")
-        model, tok, source = checkpoint.load_model(model_name)
-        if tok.pad_token is None:
-            tok.pad_token = tok.eos_token
-        model.generation_config.pad_token_id = tok.pad_token_id
-        model.to(device).eval()
+        model, tok, source = models.load_policy(model_name, device, args.max_new_tokens)
         print(f"evaluating {model_name} ({source}) on {args.env}, {a.eval_seeds} seed(s), temperature "
               f"{a.eval_temperature}, response format {args.response_format}")
-        per_seed = [train.evaluate(args, model, tok, device, Dist(), seed) for seed in range(a.eval_seeds)]
+        sample, prompt = train.policy(args, model, tok), build.prompt_fn(args, tok, model)
+        per_seed = [train.evaluate(args, sample, prompt, Dist(), seed) for seed in range(a.eval_seeds)]
     except UsageError as e:
         sys.exit(f"evaluate.py: error: {e}")
     result = {"model": model_name, "env": args.env, "seeds": list(range(a.eval_seeds)),
               "temperature": a.eval_temperature, "eval_tasks": a.eval_tasks, "splits": {}}
-    for split in train.eval_splits(args):
+    for split in args.eval_splits.split(","):
         prefix = f"eval/{split}/"
         present = [t for t in ALFWORLD_TASK_TYPES if f"{prefix}success/{t}" in per_seed[0]]
         result["splits"][split] = {

@@ -51,7 +51,7 @@ def measure(method, batch, seq, response, chunk, device_name):
         targets = data["input_ids"][:, -R:]
         logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
     else:
-        logp = train.response_logprobs(model, data, 1.0, device, "fp32", chunk)
+        logp = train.response_logprobs(model, data, 1.0, "fp32", chunk)
     loss = -(logp * data["resp_mask"]).sum() / data["resp_mask"].sum()
     loss.backward()
     if device.type == "cuda":

@@ -89,3 +89,45 @@ def import_alfworld():
     if user_value is None:
         os.environ.pop("ALFWORLD_DATA", None)
     return alfworld
+
+
+def fit_prompt(tok, goal, history, obs, admissible, env, response_format, limit):
+    """(prompt ids in the chat template, truncated) for one step, at most `limit` tokens. When too
+    long: drop the oldest history pairs, then shorten the observation's middle, then drop
+    admissible actions from the end, then keep the last `limit` tokens. Never a crash in the model."""
+    prefill = ACTION_PREFILL if response_format == "action" else ""
+
+    def ids(hist, text, actions):
+        chat = [{"role": "user", "content": build_prompt(goal, hist, text, actions, env, response_format)}]
+        return tok(tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) + prefill,
+                   add_special_tokens=False).input_ids
+    out = ids(history, obs, admissible)
+    if limit is None or len(out) <= limit:
+        return out, False
+    history = list(history)
+    while history and len(out) > limit:
+        history.pop(0)
+        out = ids(history, obs, admissible)
+    if len(out) > limit:   # keep the observation's head and tail, the longest that fits
+        lo, hi = 0, len(obs)
+        while lo < hi:
+            keep = (lo + hi + 1) // 2
+            text = obs[:keep // 2] + " [...] " + obs[len(obs) - keep // 2:]
+            lo, hi = (keep, hi) if len(ids(history, text, admissible)) <= limit else (lo, keep - 1)
+        obs = obs[:lo // 2] + " [...] " + obs[len(obs) - lo // 2:]
+        out = ids(history, obs, admissible)
+    admissible = list(admissible)
+    while len(out) > limit and len(admissible) > 1:
+        admissible.pop()
+        out = ids(history, obs, admissible)
+    return out[-limit:], True
+
+
+def trim_response(ids, tok, end_ids):
+    """The sampled tokens of one generated row. A finished row is filled with pad (= eos for many
+    models). It ends at its first end token (eos or pad), which was sampled unless the row had
+    already stopped at '</action>' (then it is padding and must not be trained on)."""
+    end = next((i for i, t in enumerate(ids) if t in end_ids), len(ids))
+    if end == len(ids) or ACTION_END in tok.decode(ids[:end]):
+        return ids[:end]
+    return ids[:end + 1]

