@@ -113,8 +113,7 @@ class Args:
 
 
 WEBSHOP = dict(max_steps=15, graph_gamma=0.20, eval_splits="test")   # the papers' WebShop settings
-# The CPU setting (docs/ALGORITHM.md "Trainer defaults"; measured in docs/RESULTS.md): SmolLM2-135M
-# on 2 CPU cores in about 12 minutes. Every value here is our choice, not the paper's.
+# The CPU setting: SmolLM2-135M on 2 cores in minutes (docs/RESULTS.md). Every value is our choice, not the paper's.
 CPU = dict(model=models.DEFAULT_MODEL, response_format="action", num_groups=4, group_size=2, revisit_groups=2,
            revisit_delay=1, updates=6, max_new_tokens=16, history_length=1, num_env_workers=2, lr=2e-5,
            kl_coef=0.0, temperature=0.4, minibatch_size=0, token_budget=4096, gen_batch_size=32, eval_every=6,
@@ -445,9 +444,11 @@ def update_policy(model, optimizer, samples, plan, ref_model=None, *, temperatur
             for k in ("pg_loss", "kl", "clip_frac"):
                 totals[k] += st[k]
             bar.update()
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:            # a minibatch without signal still steps (AdamW skips a None grad)
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad
         if before_step is not None:
             before_step(model)
-        params = [p for p in model.parameters() if p.requires_grad]
         totals["grad_norm"] += torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
         optimizer.step()
     bar.close()

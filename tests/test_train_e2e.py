@@ -302,3 +302,13 @@ def test_eval_only_prints_the_table_writes_json_and_changes_no_training_file(run
     assert results[0] == results[1]                                     # same seeds, same numbers
     split = results[0]["splits"]["valid_seen"]
     assert len(split["success"]["per_seed"]) == 2 and set(split["success"]) == {"mean", "std", "per_seed"}
+
+
+def test_every_minibatch_takes_its_optimizer_step_without_a_kl_term(tiny_model, alfworld_data, tmp_path):
+    """--kl-coef 0 skips the forward/backward of samples whose advantage is 0, never a minibatch's step."""
+    run_dir = str(tmp_path / "run")
+    run_train("--model", tiny_model, "--data-dir", alfworld_data, "--updates", "1", "--run-dir", run_dir, *TINY,
+              "--kl-coef", "0", "--minibatch-size", "2")
+    (metrics,) = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert metrics["optimizer_steps"] == math.ceil(metrics["num_samples"] / 2) > 1
+    assert metrics["kl"] is None
