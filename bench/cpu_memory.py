@@ -40,30 +40,30 @@ def main():
     import torch
     import train
     report("torch + transformers imported", t0)
-    args, _ = train.parse_args(["--preset", "cpu", "--run-dir", "/nonexistent"])
-    train.resolve_presets(args, cuda_available=False)
-    device = torch.device("cpu")
-    model, tok, source = train.load_policy(args, device, say=None)
-    report(f"model loaded ({source.split(' (')[0]})", t0)
-    params = train.freeze_below(model, args.trainable_layers)
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    from trainer import build
+    from trainer.distributed import Dist
+    args, _ = train.parse_args(["--preset", "cpu", "--run-dir", "/nonexistent"], cuda=False)
+    model, tok, optimizer = build.policy(args, None, torch.device("cpu"), Dist())
+    report(f"model loaded, {args.precision}", t0)
+    params = [p for p in model.parameters() if p.requires_grad]
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 40000, (a.prompt_tokens,), generator=gen).tolist() for _ in range(a.prompts)]
-    train.generate(model, tok, prompts, args, args.temperature, device)
+    train.generate(model, tok, prompts, args.temperature, args.max_new_tokens, args.gen_batch_size, args.precision)
     report(f"generate: {a.prompts} prompts x {a.prompt_tokens} tokens", t0)
     samples = [{"traj": i // 7, "step": i % 7, "prompt_ids": prompts[i % a.prompts],
                 "response_ids": torch.randint(100, 40000, (8,), generator=gen).tolist(),
                 "advantage": 1.0 if i % 2 else -1.0} for i in range(a.samples)]
-    stats = train.update_policy(model, None, optimizer, samples, args, device, train.Dist(),
-                                torch.Generator().manual_seed(1), show=False)
-    report(f"update: {a.samples} samples, token budget {args.token_budget}", t0)
-    stats = train.update_policy(model, None, optimizer, samples, args, device, train.Dist(),
-                                torch.Generator().manual_seed(2), show=False)
+    for seed in (1, 2):
+        plan = train.minibatch_plan(samples, args.minibatch_size, args.token_budget,
+                                    torch.Generator().manual_seed(seed), skip_zero=True)
+        totals = train.update_policy(model, optimizer, samples, plan, precision=args.precision)
+        report(f"update: {a.samples} samples, token budget {args.token_budget}" if seed == 1 else
+               "second update (optimizer state exists)", t0)
     report("second update (optimizer state exists)", t0)
     trained = sum(p.numel() for p in params)
     print(f"weights {sum(p.numel() for p in model.parameters()) * 4 / 2**30:.2f} GiB fp32; trained "
           f"{trained / 1e6:.1f} M parameters: gradients {trained * 4 / 2**30:.2f} GiB, AdamW moments "
-          f"{trained * 8 / 2**30:.2f} GiB; loss {stats['loss']:.4f}")
+          f"{trained * 8 / 2**30:.2f} GiB; loss {totals['loss']:.4f}")
 
 
 if __name__ == "__main__":

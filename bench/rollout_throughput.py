@@ -1,6 +1,6 @@
 """bench/rollout_throughput.py: rollout and update speed of train.py's code paths on this machine.
 
-Measures, with SmolLM2-135M-Instruct by default (checkpoint.load_model: HF cache/hub, else the GGUF):
+Measures, with SmolLM2-135M-Instruct by default (models.load_model: HF cache/hub, else the GGUF):
   * generation tokens/s for P ALFWorld-style step prompts in one batched generate call (KV cache,
     left padding) vs the same prompts one at a time; the ratio is why train.py batches every step.
     Reported end to end and for decoding alone (minus the prompt prefill, timed as one forward):
@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from trainer import checkpoint  # noqa: E402
+from trainer import models  # noqa: E402
 from environments import textenv  # noqa: E402
 import train   # noqa: E402
 
@@ -64,14 +64,14 @@ def timed_generate(model, tok, chats, new_tokens, device):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=checkpoint.DEFAULT_MODEL, help="HF name or local directory")
+    p.add_argument("--model", default=models.DEFAULT_MODEL, help="HF name or local directory")
     p.add_argument("--prompts", type=int, default=8, help="prompts per batch")
     p.add_argument("--new-tokens", type=int, default=48, help="tokens generated per prompt")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     args = p.parse_args()
     device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    model, tok, source = checkpoint.load_model(args.model)
+    model, tok, source = models.load_model(args.model)
     model.to(device).eval()
     tok.padding_side = "left"
     if tok.pad_token is None:
@@ -94,9 +94,9 @@ def main():
     samples = [{"prompt_ids": pi, "response_ids": r} for pi, r in zip(prompt_ids, responses)]
     batch = train.collate(samples, tok.pad_token_id, device)
     with torch.no_grad():
-        old = train.response_logprobs(model, batch, 1.0, device)
+        old = train.response_logprobs(model, batch, 1.0)
     start = time.perf_counter()
-    logp = train.response_logprobs(model, batch, 1.0, device)
+    logp = train.response_logprobs(model, batch, 1.0)
     adv = torch.randn(len(samples), 1, device=device)
     loss, _ = train.policy_loss(logp, old, old, adv, batch["resp_mask"], 0.2, 0.01, batch["resp_mask"].sum())
     loss.backward()

@@ -85,3 +85,20 @@ def test_the_eval_subset_is_stratified_by_task_type_and_stable():
     assert subset == envs.eval_subset(tasks, 6)
     assert sorted(envs.task_type_of(t) for t in subset) == ["clean", "clean", "look", "look", "pick", "pick"]
     assert envs.eval_subset(tasks, 0) == tasks
+
+
+def test_a_resumed_run_still_prints_before_and_after(tmp_path, capsys):
+    import json
+    from types import SimpleNamespace
+    from trainer.runlog import RunLog
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"update": 0, "eval/train/success_rate": 0.25,
+                                                        "eval/train/episodes": 32}) + "\n")
+    args = SimpleNamespace(run_dir=str(tmp_path), updates=8, track=False, eval_temperature=0.4, group_size=2,
+                           log_trajectories=0)
+    log = RunLog(args, resuming=True, start=6)
+    metrics = {"update": 8, "success_rate": 0.5, "mean_score": 5.0, "valid_action_ratio": 0.9, "distinct_actions": 3,
+               "kl": None, "revisits": 0, "rollout_s": 1.0, "adv_s": 0.0, "update_s": 1.0,
+               "eval/train/success_rate": 0.5, "eval/train/episodes": 32}
+    log.write(metrics, [{"kind": "explore"}], [], [])
+    out = capsys.readouterr().out + capsys.readouterr().err
+    assert "train 0.25 [0.13, 0.42] (n=32) -> 0.50 [0.34, 0.66] (n=32)" in out, out
