@@ -13,7 +13,7 @@ import torch
 from trainer import vllm_rollout
 
 if not vllm_rollout.available():
-    pytest.skip("vLLM is not installed (pip install -r requirements-vllm.txt)", allow_module_level=True)
+    pytest.skip("vLLM is not installed (pip install --no-deps -r requirements-vllm.txt)", allow_module_level=True)
 try:
     from trainer import models
 except ImportError:      # older layout

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-MISSING = "--rollout-engine vllm needs vLLM: pip install -r requirements-vllm.txt"
+MISSING = "--rollout-engine vllm needs vLLM: pip install --no-deps -r requirements-vllm.txt (CPU; see the file)"
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1",          # GiB of KV cache (the default takes a share of RAM)
            "VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # do not pin this process' threads to cores
 # Bounds of the sync check, from measurements on 2 AVX-512-BF16 cores (tests/test_vllm_rollout.py prints
