@@ -73,7 +73,7 @@ class Args:
     max_edges_per_task: Optional[int] = arg(None, "edges kept per task in the graph memory (default: all)", type=int)
     # rollout engine and update (E12)
     rollout_engine: str = arg("hf", "hf = transformers generate (exact --resume, torchrun); vllm = vLLM in this "
-                              "process, faster (pip install -r requirements-vllm.txt)", ("hf", "vllm"))
+                              "process, faster (requirements-vllm.txt)", ("hf", "vllm"))
     temperature: float = arg(1.0, "sampling temperature of training rollouts (plain: no top-p/top-k)")
     gen_batch_size: int = arg(64, "prompts per generate call (hf)")
     lr: float = arg(1e-6, "AdamW learning rate")

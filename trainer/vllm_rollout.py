@@ -53,7 +53,8 @@ def available():
 
 def _set_env_defaults():
     """In-process engine everywhere; the CPU settings only without CUDA. A variable the user set wins."""
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **({} if torch.cuda.is_available() else CPU_ENV)}
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "ERROR",   # its INFO lines drown the bars
+           **({} if torch.cuda.is_available() else CPU_ENV)}
     for key, value in env.items():
         os.environ.setdefault(key, value)
 
