@@ -9,7 +9,6 @@ runs on every rank and trainer/distributed.py does all that crosses ranks; setup
     python train.py --env alfworld --preset paper    # the paper's setting on one GPU
     torchrun --nproc_per_node 8 train.py --env alfworld --preset paper
 """
-import os
 import sys
 import time
 from dataclasses import dataclass

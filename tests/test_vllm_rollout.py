@@ -2,7 +2,7 @@
 trainer's fp32 model, weight sync (linear layer, final norm, tied embedding) and its verification.
 One fp32 and one bf16 engine for the whole module (each takes several seconds to start).
 
-    /work/venv-vllm/bin/python -m pytest -q tests/test_vllm_rollout.py
+    python -m pytest -q tests/test_vllm_rollout.py      # with the vLLM extra installed
 """
 import copy
 import math

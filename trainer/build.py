@@ -33,6 +33,7 @@ def resume_point(args, resuming, dist):
             raise UsageError(vllm_rollout.MISSING)
     return start, ckpt
 
+
 def describe(args, resuming, dist):
     return "\n".join([f"resuming {args.run_dir} with the settings of its config.json" if resuming else
                       f"preset {args.preset}; explicit flags override it",
@@ -40,6 +41,7 @@ def describe(args, resuming, dist):
                       f"B={args.num_groups} (revisit <= {args.revisit_groups}, delay {args.revisit_delay}) x "
                       f"K={args.group_size}, {args.updates} updates, max_steps {args.max_steps}, response format "
                       f"{args.response_format}, {args.rollout_engine} rollouts, {args.precision}, model {args.model}"])
+
 
 def open_env(args, split, dist):
     """The train split's pool and task list; games are generated once, by rank 0. Seeds python,
@@ -54,6 +56,7 @@ def open_env(args, split, dist):
     except (ValueError, OSError, RuntimeError) as e:   # a broken data dir, no WebShop server
         raise UsageError(f"cannot start the {args.env} environment: {e}") from e
 
+
 def make_pool(args, split):
     """(EnvPool, task keys) of one split: the task list from one env in this process (cheap: it
     lists games), the episodes in the pool's worker processes."""
@@ -67,6 +70,7 @@ def make_pool(args, split):
     tasks = list(env.tasks)
     env.close()
     return envs.EnvPool(args.env, args.num_env_workers, **kw), tasks
+
 
 def policy(args, ckpt, device, dist):
     """The policy (fp32 master weights; a checkpoint's on resume), its trained parameters, sharded
@@ -84,6 +88,7 @@ def policy(args, ckpt, device, dist):
         dist.shard(model)                                # parameters, gradients, optimizer state
     params = [p for p in model.parameters() if p.requires_grad]
     return model, tok, torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+
 
 def reference_model(args, model, tok, start, dist):
     """The KL reference: the policy before RL (after the warm start), frozen, fp32 like the policy
@@ -107,6 +112,7 @@ def reference_model(args, model, tok, start, dist):
                 checkpoint.save_model(warm_dir, model, tok, state)
             dist.barrier()
     return ref_model.eval().requires_grad_(False)
+
 
 def walkthrough_samples(args, prompt, tok):
     """One sample per expert step of every game of an ALFWorld env: the prompt the agent would see
@@ -147,6 +153,7 @@ def save(args, update, model, tok, optimizer, memory, scheduler, dist):
         checkpoint.save_checkpoint(args.run_dir, update, model, tok, model_state, optim_state, memory, scheduler,
                                    args.keep_checkpoints, args, states)
     dist.barrier()
+
 
 def advantage_settings(args):
     """The keyword arguments of tigpo.compute_advantages, from the run's arguments."""
