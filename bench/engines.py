@@ -4,8 +4,9 @@ CPU preset's own prompts (SmolLM2-135M, ALFWorld step prompts of the generated g
 Prints, measured in this process one after the other (ratios against today's default of the
 previous release, HF generate in fp32):
   * seconds per batched sampling call of P prompts (<= 16 new tokens, T 0.4, fresh sampling every
-    repetition) for HF generate fp32, HF generate bf16 autocast, and, when vLLM is installed,
-    vLLM fp32 and vLLM bf16;
+    repetition, vLLM's prefix cache emptied before each call, so prompts shared within a call are the
+    only reuse, as in a rollout step) for HF generate fp32, HF generate bf16 autocast, and, when vLLM
+    is installed, vLLM fp32 and vLLM bf16;
   * each engine's rollout_logprob_gap (mean / max |log pi_sampler - log pi_trainer| over the tokens it
     sampled, the trainer at the engine's precision) -- the sync check of docs/ALGORITHM.md E12;
   * the update's tokens/s (update_policy over those samples, the preset's top 8 blocks trained, one
@@ -95,6 +96,8 @@ def main():
         times = []
         for rep in range(a.reps):
             torch.manual_seed(rep)
+            if sampler is not None:     # no KV reused from the previous repetition's identical prompts
+                sampler.llm.reset_prefix_cache()
             t0 = time.perf_counter()
             texts, responses, logprobs = sample(prompts, args.temperature)
             times.append(time.perf_counter() - t0)

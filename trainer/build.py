@@ -195,7 +195,7 @@ LOGPROB_GAP_LIMIT = 1.0   # nats per token: a sampler this far from the trainer 
 
 def check_sampler(stats, args):
     """Stop a run whose sampler draws from other weights than the trained ones (a failed sync)."""
-    if stats["rollout_logprob_gap"] > LOGPROB_GAP_LIMIT:
+    if not stats["rollout_logprob_gap"] <= LOGPROB_GAP_LIMIT:     # a NaN stops it too
         raise RuntimeError(f"the {args.rollout_engine} sampler's log-probs differ from the trainer's by "
                            f"{stats['rollout_logprob_gap']:.3f} per token (max {stats['rollout_logprob_gap_max']:.2f}):"
                            f" it samples from other weights than the ones being trained")

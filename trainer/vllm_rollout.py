@@ -148,7 +148,7 @@ class VLLMSampler:
     def sync(self, model):
         """Push every weight of the trainer's model (fp32 master, cast to the engine dtype) into the engine,
         tied embedding included, drop the prefix cache (its KV came from the old weights), then verify.
-        Returns {"sync_s", "verify_s"}; raises RuntimeError naming a group that did not take."""
+        Returns {"sync_s", "verify_s", "sync_probe_gap"}; raises RuntimeError naming a group that did not take."""
         start = time.perf_counter()
         cast = self._cast(model)
         pairs = [(n, w) for n, w in cast.items() if not (self.tied and n == "lm_head.weight")]
@@ -159,7 +159,7 @@ class VLLMSampler:
             raise RuntimeError("vLLM sync: reset_prefix_cache failed (requests still running?)")
         sync_s = time.perf_counter() - start
         self.verify(model, cast)
-        return {"sync_s": sync_s, "verify_s": self.last_check["verify_s"]}
+        return {"sync_s": sync_s, "verify_s": self.last_check["verify_s"], "sync_probe_gap": self.last_check["probe_gap"]}
 
     def _cast(self, model):
         """{name: weight in the engine dtype and device}; a tied lm_head appears under both names."""
@@ -187,9 +187,11 @@ class VLLMSampler:
         report = self.llm.apply_model(lambda m: _engine_check(m, cast, x))[0]
         failed = [f"{_group(n)}: bitwise diff {d:.3g}" for n, d in report["exact"].items() if d != 0]
         tol = LINEAR_TOL[self.dtype]
-        failed += [f"{_group(n)}: relative error {e:.3g} > {tol:g}" for n, e in report["linear"].items() if e > tol]
+        # `not e <= tol`: a NaN (a layer left half loaded holds uninitialised memory) fails too
+        failed += [f"{_group(n)}: relative error {e:.3g} > {tol:g}" for n, e in report["linear"].items()
+                   if not e <= tol]
         probe = self._probe_gap(model)
-        if probe > PROBE_TOL[self.dtype]:
+        if not probe <= PROBE_TOL[self.dtype]:
             failed.append(f"whole model (probe prompt): mean |log-prob gap| {probe:.3g} > {PROBE_TOL[self.dtype]:g}")
         if report["missing"]:
             failed.append(f"engine parameters without a trainer weight: {', '.join(report['missing'][:5])}")
