@@ -35,6 +35,8 @@ def parse(argv):
     parser.add_argument("--data-dir", default=None, help="ALFWorld data (default: the run's)")
     parser.add_argument("--webshop-url", default=None, help="WebShop server (default: the run's)")
     parser.add_argument("--eval-seeds", type=int, default=3, help="seeds; the table shows mean +- std")
+    parser.add_argument("--splits", default=None, help="comma-separated splits (default: the held-out ones, "
+                        "ALFWorld valid_seen,valid_unseen; WebShop test)")
     parser.add_argument("--eval-tasks", type=int, default=0, help="games per split; 0 = all")
     parser.add_argument("--eval-temperature", type=float, default=0.4)
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -76,6 +78,11 @@ def settings(a):
         out = a.out or os.path.join("runs", "eval-" + re.sub(r"[^\w.-]+", "_", model.strip("/")) + ".json")
     args.eval_tasks, args.eval_temperature, args.device = a.eval_tasks, a.eval_temperature, a.device
     args.eval_repeats = 1       # the seeds are the repeats here
+    # the papers' held-out splits, whatever the run evaluated while training (the cpu preset: its train games)
+    args.eval_splits = a.splits or {"alfworld": "valid_seen,valid_unseen", "webshop": "test"}[args.env]
+    known = {"alfworld": ("train", "valid_seen", "valid_unseen"), "webshop": ("train", "test")}[args.env]
+    if not set(args.eval_splits.split(",")) <= set(known):
+        raise UsageError(f"--splits {args.eval_splits}: {args.env} has the splits {','.join(known)}")
     if a.data_dir:
         args.data_dir = a.data_dir
     if a.webshop_url:

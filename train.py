@@ -92,6 +92,7 @@ class Args:
     # supervised warm start (ALFWorld, before update 1)
     warmup_epochs: int = arg(0, "epochs of supervised learning on the training games' expert walkthroughs")
     warmup_lr: float = arg(1e-4, "AdamW learning rate of the warm start")
+    warmup_minibatch_size: int = arg(8, "expert steps per optimizer step of the warm start")
     # eval, logging, checkpoints
     eval_temperature: float = arg(0.4, "sampling temperature of evaluation")
     eval_every: int = arg(25, "evaluate before training, every N updates and at the end; 0 = never")
@@ -119,8 +120,11 @@ CPU = dict(model=models.DEFAULT_MODEL, response_format="action", num_groups=4, g
            save_every=6, keep_checkpoints=1, trainable_layers=8)
 SETTINGS = {  # (preset, env): the values that differ from Args' defaults; flags given override them
     ("paper", "webshop"): WEBSHOP,
+    # ALFWorld: 4 easy games, cloned briefly, then RL on them; eval on those games, 8 episodes each
     ("cpu", "alfworld"): {**CPU, "task_types": "pick,look", "max_receptacles": 9, "num_games": "4,6",
-                          "max_steps": 7, "warmup_epochs": 2, "eval_splits": "train,valid_seen,valid_unseen"},
+                          "max_steps": 7, "warmup_epochs": 2, "group_size": 4, "temperature": 0.7, "lr": 5e-5,
+                          "minibatch_size": 16, "updates": 6, "eval_every": 6, "eval_splits": "train",
+                          "eval_repeats": 8},
     ("cpu", "webshop"): {**CPU, **WEBSHOP},
 }
 
@@ -467,7 +471,7 @@ def warm_start(args, model, tok, dist):
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.warmup_lr,
                                   weight_decay=args.weight_decay)
     for epoch in range(args.warmup_epochs):
-        plan, padded = dist.plan(minibatch_plan, samples, args.num_groups * args.group_size, args.token_budget,
+        plan, padded = dist.plan(minibatch_plan, samples, args.warmup_minibatch_size, args.token_budget,
                                  torch.Generator().manual_seed(args.seed + epoch), False, micro_batches, shared=True)
         logp = tokens = 0.0                   # the last epoch's loss is the one reported
         for step in tqdm(plan, desc=f"warm start {epoch + 1}/{args.warmup_epochs}", unit="step", leave=False,
@@ -571,7 +575,7 @@ def run(args, resuming):
                                before_step=dist.sum_gradients, show=dist.main)
         stats = update_metrics(dist.sum_totals(totals), steps, ref_model is not None)
         build.check_sampler(stats, args)
-        engine and engine.sync(model)                         # the engine samples from the new weights
+        synced = engine.sync(model) if engine else {}         # the engine samples from the new weights
         update_s = time.time() - t0
         # ------------------------------------------------------------------------ memory (E10), schedule
         if args.dump_advantages:                              # debug: the advantage each sample trained with
@@ -585,7 +589,8 @@ def run(args, resuming):
             metrics.update(evaluate(args, sample, prompt, dist, args.seed + 1000003 * update, dist.main))
         metrics.update(behaviour(trajs), **stats, **graph_metrics(graph_stats, memory), **zero_advantage(advantages),
                        **throughput(gen, samples, rollout_s, adv_s, update_s, dist), **dist.metrics(model),
-                       revisits=sum(slot["kind"] == "revisit" for slot in plan), revisits_dropped=scheduler.dropped)
+                       **synced, revisits=sum(slot["kind"] == "revisit" for slot in plan),
+                       revisits_dropped=scheduler.dropped)
         log and log.write(metrics, plan, trajs, advantages)
         if update % args.save_every == 0 or update == args.updates:
             build.save(args, update, model, tok, optimizer, memory, scheduler, dist)

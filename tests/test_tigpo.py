@@ -512,6 +512,20 @@ def test_e11_paper_preset_revisits_exactly_delta_after_exploration():
 
 
 def test_e11_cpu_preset_schedule():
+    # B = 2, B_R = 1, Delta = 1 (the cpu preset on ALFWorld's 4 games): update 1 explores 2; from update
+    # 2 on, the first exploration of the update before is revisited and one task is explored;
+    # update 1's second exploration is dropped.
+    sched = RevisitScheduler(["pick/0", "pick/1", "look/0", "look/1"], 2, 1, 1)
+    plans = run_schedule(sched, 1, 10)
+    assert [kind for kind, _, _ in plans[1]] == ["explore"] * 2
+    for k in range(2, 11):
+        assert [kind for kind, _, _ in plans[k]] == ["revisit", "explore"]
+        slot = 0 if k == 2 else 1
+        assert (plans[k][0][1], plans[k][0][2]) == (plans[k - 1][slot][1], (k - 1, slot))
+    assert sched.dropped == 1
+
+
+def test_e11_four_slots_two_revisits_schedule():
     # B = 4, B_R = 2, Delta = 1: update 1 explores 4; from update 2 on, the first two explorations
     # of the update before are revisited (update 1's slots 0 and 1, then slots 2 and 3 of the
     # update before, where its explorations sit); update 1's slots 2 and 3 are dropped.

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tools import export_graph
 import tigpo
 
@@ -258,3 +260,20 @@ def test_plot_without_matplotlib_says_how_to_install_it(tmp_path):
     out = tool("tools/plot.py", str(tmp_path / "a"), env={"PYTHONPATH": str(blocker)})
     lines = out.stderr.strip().splitlines()
     assert out.returncode != 0 and len(lines) == 1 and "pip install matplotlib" in lines[0]
+
+
+def test_evaluate_takes_the_held_out_splits_whatever_the_run_evaluated(tmp_path):
+    """The cpu preset evaluates its training games while it trains; evaluate.py still reports the papers'
+    held-out splits unless --splits says otherwise, and names the known splits for a bad one."""
+    import evaluate
+    import train
+    from trainer.config import UsageError
+    args, _ = train.parse_args(["--env", "alfworld", "--run-dir", str(tmp_path / "run")], cuda=False)
+    assert args.eval_splits == "train"
+    (tmp_path / "run" / "checkpoints" / "update_000001").mkdir(parents=True)
+    (tmp_path / "run" / "config.json").write_text(json.dumps(vars(args)))
+    run = str(tmp_path / "run")
+    assert evaluate.settings(evaluate.parse([run]))[0].eval_splits == "valid_seen,valid_unseen"
+    assert evaluate.settings(evaluate.parse([run, "--splits", "train"]))[0].eval_splits == "train"
+    with pytest.raises(UsageError, match="valid_seen"):
+        evaluate.settings(evaluate.parse([run, "--splits", "test"]))

@@ -70,10 +70,15 @@ def test_the_cpu_preset_is_per_environment(tmp_path):
     assert (web.preset, web.warmup_epochs, web.max_steps, web.graph_gamma, web.eval_splits) == ("cpu", 0, 15, 0.2, "test")
     alf, _ = train.parse_args(["--env", "alfworld", "--run-dir", str(tmp_path / "a")], cuda=False)
     assert (alf.warmup_epochs, alf.max_steps, alf.graph_gamma) == (2, 7, 0.1)
+    # issue 20: the eval that can tell: the training games, >= 32 episodes, before and after RL only
+    assert alf.eval_splits == "train" and alf.eval_repeats * int(alf.num_games.split(",")[0]) >= 32
+    assert alf.eval_every == alf.updates
     paper, _ = train.parse_args(["--env", "alfworld", "--preset", "paper", "--run-dir", str(tmp_path / "p")], cuda=False)
     assert (paper.lr, paper.max_steps, paper.num_groups, paper.revisit_delay) == (1e-6, 50, 16, 10)
     with pytest.raises(UsageError, match="--warmup-epochs"):
         train.parse_args(["--env", "webshop", "--warmup-epochs", "1", "--run-dir", str(tmp_path / "x")], cuda=False)
+    with pytest.raises(UsageError, match="--warmup-minibatch-size"):
+        train.parse_args(["--warmup-minibatch-size", "0", "--run-dir", str(tmp_path / "z")], cuda=False)
     with pytest.raises(UsageError, match="--revisit-delay"):
         train.parse_args(["--revisit-delay", "0", "--run-dir", str(tmp_path / "y")], cuda=False)
 

@@ -96,6 +96,7 @@ def check(args):
         (args.temperature > 0, "--temperature must be > 0 (E12's ratio needs a sampling distribution)"),
         (args.eval_temperature > 0, "--eval-temperature must be > 0"),
         (args.eval_repeats >= 1, "--eval-repeats must be >= 1"),
+        (args.warmup_minibatch_size >= 1, "--warmup-minibatch-size must be >= 1"),
         (args.logit_chunk >= 1, "--logit-chunk must be >= 1"),
         (args.rollout_is_cap is None or args.rollout_is_cap >= 0, "--rollout-is-cap must be >= 0 (0 = off)"),
         (len(args.num_games.split(",")) == 2 and all(x.strip().isdigit() for x in args.num_games.split(","))
