@@ -120,11 +120,10 @@ CPU = dict(model=models.DEFAULT_MODEL, response_format="action", num_groups=4, g
            save_every=6, keep_checkpoints=1, trainable_layers=8)
 SETTINGS = {  # (preset, env): the values that differ from Args' defaults; flags given override them
     ("paper", "webshop"): WEBSHOP,
-    # ALFWorld: 4 easy games, cloned briefly, then RL on them; eval on those games, 8 episodes each
-    ("cpu", "alfworld"): {**CPU, "task_types": "pick,look", "max_receptacles": 9, "num_games": "4,6",
-                          "max_steps": 7, "warmup_epochs": 2, "group_size": 4, "temperature": 0.7, "lr": 5e-5,
-                          "minibatch_size": 16, "updates": 6, "eval_every": 6, "eval_splits": "train",
-                          "eval_repeats": 8},
+    # ALFWorld: RL on 4 easy games after a brief cloning of them; eval on them, 8 episodes each (docs/ALGORITHM.md)
+    ("cpu", "alfworld"): {**CPU, "task_types": "pick,look", "max_receptacles": 9, "num_games": "4,6", "max_steps": 7,
+                          "warmup_epochs": 2, "group_size": 4, "temperature": 0.7, "lr": 5e-5, "minibatch_size": 16,
+                          "eval_splits": "train", "eval_repeats": 8},
     ("cpu", "webshop"): {**CPU, **WEBSHOP},
 }
 
@@ -167,7 +166,6 @@ class SampledLogprobs(LogitsProcessor):
         scores = scores.float() / self.temperature
         self.last = scores.log_softmax(-1)
         return scores
-
 
 
 @torch.no_grad()
@@ -213,8 +211,7 @@ def run_episodes(pool, tasks, sample, prompt, max_steps, history_length=0, prefi
     response ids, the sampler's log-probs, traj, step), trained on once its advantage is known."""
     obs, infos = pool.reset(tasks)
     n = len(tasks)
-    # A crashed game (info["crash"]) ends as a failed episode; its states get the key CRASH_STATE
-    # so the graph never merges it with a real state.
+    # A crashed game (info["crash"]) fails; its states get the key CRASH_STATE, never merged with a real state
     trajs = [{"states": [info.get("state", CRASH_STATE)], "valid": [], "score": 0.0, "success": False,
               "task": task, "task_type": info.get("task_type", "all"), "goal": info.get("goal", ""),
               "steps": []} for task, info in zip(tasks, infos)]
@@ -588,9 +585,8 @@ def run(args, resuming):
         if args.eval_every and (update % args.eval_every == 0 or update == args.updates):
             metrics.update(evaluate(args, sample, prompt, dist, args.seed + 1000003 * update, dist.main))
         metrics.update(behaviour(trajs), **stats, **graph_metrics(graph_stats, memory), **zero_advantage(advantages),
-                       **throughput(gen, samples, rollout_s, adv_s, update_s, dist), **dist.metrics(model),
-                       **synced, revisits=sum(slot["kind"] == "revisit" for slot in plan),
-                       revisits_dropped=scheduler.dropped)
+                       **throughput(gen, samples, rollout_s, adv_s, update_s, dist), **dist.metrics(model), **synced,
+                       revisits=sum(slot["kind"] == "revisit" for slot in plan), revisits_dropped=scheduler.dropped)
         log and log.write(metrics, plan, trajs, advantages)
         if update % args.save_every == 0 or update == args.updates:
             build.save(args, update, model, tok, optimizer, memory, scheduler, dist)

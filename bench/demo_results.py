@@ -86,7 +86,8 @@ def main():
         up = sum(s["after"] > s["before"] for s in seeds.values())
         rising = sum(s["last_q"] > s["first_q"] for s in seeds.values())
         print(f"\nmean ± std over seeds: before {ms([s['before'] for s in seeds.values()])}, after "
-              f"{ms([s['after'] for s in seeds.values()])}, change {ms([s['after'] - s['before'] for s in seeds.values()])};"
+              f"{ms([s['after'] for s in seeds.values()])}, "
+              f"change {ms([s['after'] - s['before'] for s in seeds.values()])};"
               f" training success first quarter {ms([s['first_q'] for s in seeds.values()])}, last quarter "
               f"{ms([s['last_q'] for s in seeds.values()])}. After > before on {up} of {len(seeds)} seeds; "
               f"last quarter > first quarter on {rising} of {len(seeds)}.")
@@ -140,6 +141,10 @@ def main():
         axes[2].set_title("paired by seed: TIGPO's eval change minus the baseline's")
     else:
         axes[2].text(0.5, 0.5, "one algorithm only: no pairing", ha="center", va="center", transform=axes[2].transAxes)
+        axes[2].set_xticks([])
+        axes[2].set_yticks([])
+    for ax in axes[:2]:
+        ax.set_ylim(-0.02, 1.02)
     for ax in axes:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:

@@ -23,7 +23,8 @@ TINY = ["--num-groups", "2", "--group-size", "2", "--max-steps", "4", "--max-new
         "--num-env-workers", "1", "--revisit-delay", "1", "--save-every", "1", "--keep-checkpoints", "0",
         "--dump-advantages", "--response-format", "think", "--task-types", "all", "--max-receptacles", "0",
         "--lr", "1e-6", "--kl-coef", "0.01", "--temperature", "1.0", "--history-length", "2",
-        "--trainable-layers", "0", "--warmup-epochs", "0", "--eval-every", "0"]
+        "--trainable-layers", "0", "--warmup-epochs", "0", "--eval-every", "0", "--minibatch-size", "0",
+        "--eval-splits", "valid_seen,valid_unseen", "--eval-repeats", "1"]
 
 
 def run_train(*argv, check=True):

@@ -33,7 +33,8 @@ def test_train_py_with_the_vllm_engine(alfworld_data, tmp_path):
            "--data-dir", alfworld_data, "--task-types", "all", "--max-receptacles", "0", "--updates", "2",
            "--num-groups", "2", "--group-size", "2", "--revisit-groups", "1", "--max-steps", "3",
            "--num-env-workers", "1", "--warmup-epochs", "0", "--eval-every", "2", "--eval-tasks", "1",
-           "--eval-splits", "train", "--eval-repeats", "1", "--minibatch-size", "0", "--rollout-engine", "vllm", "--precision", "fp32", "--lr", "3e-4",
+           "--eval-splits", "train", "--eval-repeats", "1", "--minibatch-size", "0", "--rollout-engine", "vllm",
+           "--precision", "fp32", "--lr", "3e-4",
            "--temperature", "1.0", "--run-dir", str(run_dir)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
