@@ -24,7 +24,7 @@ TINY = ["--num-groups", "2", "--group-size", "2", "--max-steps", "4", "--max-new
         "--dump-advantages", "--response-format", "think", "--task-types", "all", "--max-receptacles", "0",
         "--lr", "1e-6", "--kl-coef", "0.01", "--temperature", "1.0", "--history-length", "2",
         "--trainable-layers", "0", "--warmup-epochs", "0", "--eval-every", "0", "--minibatch-size", "0",
-        "--eval-splits", "valid_seen,valid_unseen", "--eval-repeats", "1"]
+        "--eval-repeats", "1"]
 
 
 def run_train(*argv, check=True):
@@ -50,7 +50,8 @@ def runs(tiny_model, alfworld_data, tmp_path_factory):
     base = tmp_path_factory.mktemp("runs")
     for algo in tigpo.ALGOS:                  # side by side: each is one thread, mostly waiting on its envs
         # tigpo also evaluates; two runs take several optimizer steps per update (pi_old recomputed)
-        extra = ["--eval-every", "2", "--eval-tasks", "1"] if algo == "tigpo" else []
+        extra = ["--eval-every", "2", "--eval-tasks", "1", "--eval-splits", "valid_seen,valid_unseen"] \
+            if algo == "tigpo" else []
         extra += ["--minibatch-size", "5"] if algo in ("tigpo", "gigpo") else []
         out[algo] = str(base / algo)
         procs[algo] = subprocess.Popen(
