@@ -19,7 +19,7 @@ import statistics
 import sys
 
 from trainer import checkpoint
-from trainer.config import UsageError
+from trainer.config import SPLITS, UsageError
 from environments.textenv import ALFWORLD_TASK_TYPES
 
 
@@ -80,7 +80,7 @@ def settings(a):
     args.eval_repeats = 1       # the seeds are the repeats here
     # the papers' held-out splits, whatever the run evaluated while training (the cpu preset: its train games)
     args.eval_splits = a.splits or {"alfworld": "valid_seen,valid_unseen", "webshop": "test"}[args.env]
-    known = {"alfworld": ("train", "valid_seen", "valid_unseen"), "webshop": ("train", "test")}[args.env]
+    known = SPLITS[args.env]
     if not set(args.eval_splits.split(",")) <= set(known):
         raise UsageError(f"--splits {args.eval_splits}: {args.env} has the splits {','.join(known)}")
     if a.data_dir:

@@ -9,7 +9,6 @@ Paired by seed: each algorithm's change minus TIGPO's baseline's (GRPO, ...), me
 """
 import argparse
 import glob
-import json
 import math
 import os
 import re
@@ -18,21 +17,8 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from bench.cpu_curves import timing  # noqa: E402
+from bench.cpu_curves import ms, read, timing  # noqa: E402
 from trainer.runlog import wilson  # noqa: E402
-
-
-def read(path):
-    with open(path) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
-
-
-def ms(values, digits=2):
-    values = [v for v in values if v is not None]
-    if not values:
-        return "-"
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.fmean(values):.{digits}f} ± {sd:.{digits}f}"
 
 
 def summary(rows):
@@ -44,7 +30,7 @@ def summary(rows):
     return {"before": before["eval/train/success_rate"], "before_n": before.get("eval/train/episodes"),
             "after": after["eval/train/success_rate"], "after_n": after.get("eval/train/episodes"),
             "first_q": statistics.fmean(s for _, s in curve[:q]), "last_q": statistics.fmean(s for _, s in curve[-q:]),
-            "quarter": q, "curve": curve, "updates": len(curve),
+            "quarter": q, "curve": curve,
             "steps": sum(m.get("optimizer_steps", 0) for m in rows if m["update"] > 0)}
 
 

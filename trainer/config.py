@@ -27,6 +27,9 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see python train.py --help)")
 
 
+SPLITS = {"alfworld": ("train", "valid_seen", "valid_unseen"), "webshop": ("train", "test")}   # each env's splits
+
+
 def parse(Args, settings, argv, cuda, description):
     """(args, resuming): the flags given, over the values of settings[(preset, env)], over Args'
     defaults; with --resume, the saved config.json instead (only RESUMABLE flags may change)."""
@@ -114,6 +117,6 @@ def check(args):
     for ok, message in checks:
         if not ok:
             raise UsageError(message)
-    known = {"alfworld": ("train", "valid_seen", "valid_unseen"), "webshop": ("train", "test")}[args.env]
+    known = SPLITS[args.env]
     if not set(args.eval_splits.split(",")) <= set(known):
         raise UsageError(f"--eval-splits {args.eval_splits}: {args.env} has the splits {','.join(known)}")

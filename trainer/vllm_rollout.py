@@ -159,7 +159,8 @@ class VLLMSampler:
             raise RuntimeError("vLLM sync: reset_prefix_cache failed (requests still running?)")
         sync_s = time.perf_counter() - start
         self.verify(model, cast)
-        return {"sync_s": sync_s, "verify_s": self.last_check["verify_s"], "sync_probe_gap": self.last_check["probe_gap"]}
+        check = self.last_check
+        return {"sync_s": sync_s, "verify_s": check["verify_s"], "sync_probe_gap": check["probe_gap"]}
 
     def _cast(self, model):
         """{name: weight in the engine dtype and device}; a tied lm_head appears under both names."""
