@@ -31,6 +31,7 @@ def summary(rows):
             "after": after["eval/train/success_rate"], "after_n": after.get("eval/train/episodes"),
             "first_q": statistics.fmean(s for _, s in curve[:q]), "last_q": statistics.fmean(s for _, s in curve[-q:]),
             "quarter": q, "curve": curve,
+            "evals": [(m["update"], m["eval/train/success_rate"]) for m in rows if "eval/train/success_rate" in m],
             "steps": sum(m.get("optimizer_steps", 0) for m in rows if m["update"] > 0)}
 
 
@@ -106,11 +107,15 @@ def main():
             axes[0].plot(sorted(c), [c[x] for x in sorted(c)], color=color, alpha=0.2, lw=1)
         axes[0].plot(xs, [statistics.fmean(c[x] for c in curves) for x in xs], color=color, lw=2.2, marker="o",
                      ms=3, label=f"{algo} (mean of {len(curves)} seeds)")
+        evals = [dict(s["evals"]) for s in seeds.values()]
+        ex = sorted(set.intersection(*(set(e) for e in evals)))
+        axes[0].plot(ex, [statistics.fmean(e[x] for e in evals) for x in ex], color=color, lw=1.2, ls="--",
+                     marker="s", ms=5, label=f"{algo}: eval on the training games (T 0.4)")
         for k, (seed, s) in enumerate(sorted(seeds.items())):
             x = i * 0.25 + k * 0.03
             axes[1].plot([x, x + 1], [s["before"], s["after"]], color=color, alpha=0.6, marker="o", ms=3,
                          label=algo if k == 0 else None)
-    axes[0].set_title("training success per update (thin: one seed)")
+    axes[0].set_title("training success per update (thin: one seed)\nsquares: eval before RL (update 0) and after")
     axes[0].set_xlabel("update")
     axes[1].set_title("eval success on the training games (T 0.4)\nbefore RL (left) -> after (right), one line a seed")
     axes[1].set_xticks([0.3, 1.3], ["before RL", "after RL"])
