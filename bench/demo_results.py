@@ -60,7 +60,7 @@ def main():
     algos = sorted(runs, key=lambda x: (x != "tigpo", x))
     for algo in algos:
         seeds = runs[algo]
-        print(f"\n### {algo} ({len(seeds)} seeds)\n")
+        print(f"\n### {algo} ({len(seeds)} seed{'s' if len(seeds) > 1 else ''})\n")
         print("| seed | eval on the training games, before RL | after RL | change | training success, first "
               "quarter | last quarter | optimizer steps | wall |")
         print("|---|---|---|---|---|---|---|---|")
@@ -86,7 +86,7 @@ def main():
             t, o = runs["tigpo"], runs[other]
             gain = [(t[s]["after"] - t[s]["before"]) - (o[s]["after"] - o[s]["before"]) for s in common]
             last = [t[s]["last_q"] - o[s]["last_q"] for s in common]
-            print(f"\n### tigpo minus {other}, paired by seed ({len(common)} seeds: {common})\n")
+            print(f"\n### tigpo minus {other}, paired by seed (seeds {common})\n")
             print("| seed | difference in eval change (after - before) | difference in last-quarter training success |")
             print("|---|---|---|")
             for s, g, l_ in zip(common, gain, last):
