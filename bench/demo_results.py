@@ -129,7 +129,7 @@ def main():
                         label=f"tigpo - {other}")
             axes[2].set_xticks(range(len(common)), [f"seed {s}" for s in common])
         axes[2].axhline(0, color="black", lw=0.8)
-        axes[2].set_title("paired by seed: TIGPO's eval change minus the baseline's")
+        axes[2].set_title("paired by seed: TIGPO's eval change\nminus the baseline's")
     else:
         axes[2].text(0.5, 0.5, "one algorithm only: no pairing", ha="center", va="center", transform=axes[2].transAxes)
         axes[2].set_xticks([])
