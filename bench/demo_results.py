@@ -106,7 +106,7 @@ def main():
         for c in curves:
             axes[0].plot(sorted(c), [c[x] for x in sorted(c)], color=color, alpha=0.2, lw=1)
         axes[0].plot(xs, [statistics.fmean(c[x] for c in curves) for x in xs], color=color, lw=2.2, marker="o",
-                     ms=3, label=f"{algo} (mean of {len(curves)} seeds)")
+                     ms=3, label=algo if len(curves) == 1 else f"{algo} (mean of {len(curves)} seeds)")
         evals = [dict(s["evals"]) for s in seeds.values()]
         ex = sorted(set.intersection(*(set(e) for e in evals)))
         axes[0].plot(ex, [statistics.fmean(e[x] for e in evals) for x in ex], color=color, lw=1.2, ls="--",
