@@ -35,6 +35,14 @@ def summary(rows):
             "steps": sum(m.get("optimizer_steps", 0) for m in rows if m["update"] > 0)}
 
 
+def paired(runs, other):
+    """Seeds both TIGPO and `other` ran: (seeds, TIGPO's eval change minus other's, last-quarter difference)."""
+    t, o = runs["tigpo"], runs[other]
+    common = sorted(set(t) & set(o))
+    gain = [(t[s]["after"] - t[s]["before"]) - (o[s]["after"] - o[s]["before"]) for s in common]
+    return common, gain, [t[s]["last_q"] - o[s]["last_q"] for s in common]
+
+
 def interval(p, n):
     if not n:
         return f"{p:.2f}"
@@ -80,12 +88,9 @@ def main():
               f"last quarter > first quarter on {rising} of {len(seeds)}.")
     if "tigpo" in runs:
         for other in algos[1:]:
-            common = sorted(set(runs["tigpo"]) & set(runs[other]))
+            common, gain, last = paired(runs, other)
             if not common:
                 continue
-            t, o = runs["tigpo"], runs[other]
-            gain = [(t[s]["after"] - t[s]["before"]) - (o[s]["after"] - o[s]["before"]) for s in common]
-            last = [t[s]["last_q"] - o[s]["last_q"] for s in common]
             print(f"\n### tigpo minus {other}, paired by seed (seeds {common})\n")
             print("| seed | difference in eval change (after - before) | difference in last-quarter training success |")
             print("|---|---|---|")
@@ -122,9 +127,7 @@ def main():
     if "tigpo" in runs and len(algos) > 1:
         width = 0.8 / (len(algos) - 1)
         for j, other in enumerate(algos[1:]):
-            common = sorted(set(runs["tigpo"]) & set(runs[other]))
-            t, o = runs["tigpo"], runs[other]
-            gain = [(t[s]["after"] - t[s]["before"]) - (o[s]["after"] - o[s]["before"]) for s in common]
+            common, gain, _ = paired(runs, other)
             axes[2].bar([k + j * width for k in range(len(common))], gain, width=width, color=f"C{j + 1}",
                         label=f"tigpo - {other}")
             axes[2].set_xticks(range(len(common)), [f"seed {s}" for s in common])
