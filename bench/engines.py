@@ -3,14 +3,15 @@ CPU preset's own prompts (SmolLM2-135M, ALFWorld step prompts of the generated g
 
 Prints, measured in this process one after the other (ratios against today's default of the
 previous release, HF generate in fp32):
-  * seconds per batched sampling call of P prompts (<= 16 new tokens, T 0.4, fresh sampling every
-    repetition, vLLM's prefix cache emptied before each call, so prompts shared within a call are the
-    only reuse, as in a rollout step) for HF generate fp32, HF generate bf16 autocast, and, when vLLM
-    is installed, vLLM fp32 and vLLM bf16;
+  * seconds per batched sampling call of P prompts (<= 16 new tokens, the preset's training
+    temperature, fresh sampling every repetition, vLLM's prefix cache emptied before each call, so
+    prompts shared within a call are the only reuse, as in a rollout step) for HF generate fp32, HF generate bf16 autocast over fp32
+    weights, HF generate bf16 autocast with the frozen layers stored in bf16 (train.py's default
+    here: models.store_frozen_in_bf16), and, when vLLM is installed, vLLM fp32 and vLLM bf16;
   * each engine's rollout_logprob_gap (mean / max |log pi_sampler - log pi_trainer| over the tokens it
     sampled, the trainer at the engine's precision) -- the sync check of docs/ALGORITHM.md E12;
   * the update's tokens/s (update_policy over those samples, the preset's top 8 blocks trained, one
-    optimizer step) in fp32 and under bf16 autocast;
+    optimizer step) in fp32, under bf16 autocast, and under bf16 autocast with the frozen layers in bf16;
   * with --whole: train.py's CPU preset for 2 updates per engine (no warm start, no eval) in a fresh
     process each, its rollout_s / update_s / gen_tokens_per_s / update_tokens_per_s from metrics.jsonl.
 
@@ -48,10 +49,10 @@ def preset_prompts(args, tok, model, n):
     return out
 
 
-def gap(model, samples, precision):
+def gap(model, samples, precision, temperature):
     batch = train.collate(samples, model.generation_config.pad_token_id, torch.device("cpu"))
     with torch.no_grad():
-        logp = train.response_logprobs(model, batch, 0.4, precision)
+        logp = train.response_logprobs(model, batch, temperature, precision)   # the temperature sampled at
     diff = (logp - batch["sampler_logp"]).abs() * batch["sampled_mask"]
     return diff.sum().item() / batch["sampled_mask"].sum().item(), diff.max().item()
 
@@ -74,24 +75,28 @@ def main():
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--whole", action="store_true")
     a = p.parse_args()
-    args, _ = train.parse_args(["--env", "alfworld", "--preset", "cpu", "--run-dir", "/nonexistent/bench"], cuda=False)
-    model, tok, _ = build.policy(args, None, torch.device("cpu"), Dist())
+    args, _ = train.parse_args(["--env", "alfworld", "--preset", "cpu", "--run-dir", "/nonexistent/bench",
+                                "--precision", "fp32"], cuda=False)
+    model, tok, _ = build.policy(args, None, torch.device("cpu"), Dist())   # fp32 weights
+    stored = build.policy(args, None, torch.device("cpu"), Dist())[0]      # the same, frozen layers in bf16
+    models.store_frozen_in_bf16(stored)
     prompts = preset_prompts(args, tok, model, a.prompts)
     print(f"{a.prompts} CPU-preset prompts of {sum(map(len, prompts)) / len(prompts):.0f} tokens (mean), <= "
           f"{args.max_new_tokens} new tokens, T {args.temperature}, {torch.get_num_threads()} threads; "
           f"bf16 instructions on this CPU: {models.bf16_is_fast(False)}")
-    engines = [("hf", "fp32"), ("hf", "bf16")]
+    engines = [("hf", "fp32", model), ("hf", "bf16", model), ("hf", "bf16 stored", stored)]
     from trainer import vllm_rollout
     if vllm_rollout.available():
-        engines += [("vllm", "fp32"), ("vllm", "bf16")]
+        engines += [("vllm", "fp32", model), ("vllm", "bf16", stored)]
     else:
         print("vLLM not installed (pip install -r requirements-vllm.txt): HF only")
     rows, samples_of = [], {}
-    for engine, precision in engines:
+    for engine, name, net in engines:
+        precision = name.split()[0]
         run_args, _ = train.parse_args(["--preset", "cpu", "--run-dir", "/nonexistent/bench", "--precision", precision,
                                         "--rollout-engine", engine], cuda=False)
-        sampler = build.engine(run_args, model, tok)
-        sample = train.policy(run_args, model, tok, sampler)
+        sampler = build.engine(run_args, net, tok)
+        sample = train.policy(run_args, net, tok, sampler)
         sample(prompts[:2], args.temperature)                          # warm-up
         times = []
         for rep in range(a.reps):
@@ -103,38 +108,42 @@ def main():
             times.append(time.perf_counter() - t0)
         samples = [{"traj": i, "step": 0, "prompt_ids": pr, "response_ids": r, "sampler_logprobs": lp,
                     "advantage": 1.0 if i % 2 else -1.0} for i, (pr, r, lp) in enumerate(zip(prompts, responses, logprobs))]
-        samples_of[engine, precision] = samples
-        mean_gap, max_gap = gap(model, samples, precision)
+        samples_of[engine, name] = samples
+        mean_gap, max_gap = gap(net, samples, precision, args.temperature)
         tokens = sum(map(len, responses))
-        rows.append((f"{engine} {precision}", min(times), tokens, mean_gap, max_gap))
+        rows.append((f"{engine} {name}", min(times), tokens, mean_gap, max_gap))
         if sampler is not None:
             sampler.close()
     base = rows[0][1]
-    print(f"\n{'engine':<12} {'s/call (best)':>14} {'vs hf fp32':>11} {'new tokens':>11} {'gap mean':>10} {'gap max':>9}")
+    print(f"\n{'engine':<15} {'s/call (best)':>14} {'vs hf fp32':>11} {'new tokens':>11} {'gap mean':>10} {'gap max':>9}")
     for name, s, tokens, mg, xg in rows:
-        print(f"{name:<12} {s:14.2f} {base / s:10.2f}x {tokens:11d} {mg:10.2e} {xg:9.2e}")
+        print(f"{name:<15} {s:14.2f} {base / s:10.2f}x {tokens:11d} {mg:10.2e} {xg:9.2e}")
 
     samples = samples_of["hf", "fp32"]
-    optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=0.0)   # lr 0: same weights
     tokens = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
     speed = {}
-    for precision in ("fp32", "bf16"):
+    for name, precision, net in (("fp32", "fp32", model), ("bf16", "bf16", model), ("bf16 stored", "bf16", stored)):
+        optimizer = torch.optim.AdamW([q for q in net.parameters() if q.requires_grad], lr=0.0)   # lr 0: same weights
         plan = train.minibatch_plan(samples, 0, args.token_budget, torch.Generator().manual_seed(0), skip_zero=True)
-        train.update_policy(model, optimizer, samples, plan, temperature=0.4, precision=precision)   # warm-up
+        train.update_policy(net, optimizer, samples, plan, temperature=args.temperature,
+                            precision=precision)                                  # warm-up
         times = []
         for _ in range(a.reps):
             t0 = time.perf_counter()
-            train.update_policy(model, optimizer, samples, plan, temperature=0.4, precision=precision)
+            train.update_policy(net, optimizer, samples, plan, temperature=args.temperature, precision=precision)
             times.append(time.perf_counter() - t0)
-        speed[precision] = tokens / min(times)
+        speed[name] = tokens / min(times)
     print(f"\nupdate ({len(samples)} samples, {tokens} tokens, top {args.trainable_layers} blocks trained): "
-          f"fp32 {speed['fp32']:.0f} tok/s, bf16 {speed['bf16']:.0f} tok/s, bf16/fp32 {speed['bf16'] / speed['fp32']:.2f}x")
+          + ", ".join(f"{k} {v:.0f} tok/s ({v / speed['fp32']:.2f}x)" for k, v in speed.items()))
 
     if a.whole:
         print("\ntrain.py, CPU preset, 2 updates, no warm start, no eval (seed 0), per engine:")
         print(f"{'engine':<12} {'wall s':>7} {'rollout s':>10} {'update s':>9} {'gen tok/s':>10} {'update tok/s':>13} "
               f"{'gap mean':>9}")
-        for engine, precision in engines:
+        for engine, name, _ in engines:
+            if name == "bf16" and engine == "hf":     # train.py stores the frozen layers in bf16 under bf16
+                continue
+            precision = name.split()[0]
             wall, metrics = whole(engine, precision, 0)
             for m in metrics:
                 print(f"{engine + ' ' + precision:<12} {wall:7.0f} {m['rollout_s']:10.1f} {m['update_s']:9.1f} "

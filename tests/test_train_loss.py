@@ -206,6 +206,29 @@ def test_chunked_logprobs_and_gradients_equal_the_full_logits(chunk):
     assert all(torch.allclose(g, p.grad, atol=1e-5) for g, p in zip(grads, model.parameters()))
 
 
+def test_frozen_layers_stored_in_bf16_give_the_same_logprobs_and_gradients_under_bf16():
+    """store_frozen_in_bf16 casts once what bf16 autocast casts every forward: bit-identical."""
+    from trainer import models
+    samples = [{"prompt_ids": [5, 6, 7, 8, 9], "response_ids": [10, 11, 12]},
+               {"prompt_ids": [3], "response_ids": [12, 13, 14, 15, 16, 17]}]
+    batch = train.collate(samples, pad_id=0, device=torch.device("cpu"))
+    results = []
+    for store in (False, True):
+        model = tiny_llama()
+        model.requires_grad_(False)
+        model.model.layers[-1].requires_grad_(True)           # --trainable-layers 1
+        if store:
+            models.store_frozen_in_bf16(model)
+            assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+            assert model.model.layers[-1].mlp.up_proj.weight.dtype == torch.float32
+            assert model.lm_head.weight.dtype == torch.float32
+        logp = train.response_logprobs(model, batch, 0.7, "bf16")
+        (logp * batch["resp_mask"]).sum().backward()
+        results.append((logp.detach(), [p.grad for p in model.parameters() if p.requires_grad]))
+    (a, ga), (b, gb) = results
+    assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(ga, gb))
+
+
 class WordTok:
     """A tokenizer of one token per whitespace word, with a chat template of two tokens."""
     def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):

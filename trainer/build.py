@@ -84,6 +84,8 @@ def policy(args, ckpt, device, dist):
         model.requires_grad_(False)
         for module in list(decoder.layers[-args.trainable_layers:]) + [decoder.norm]:
             module.requires_grad_(True)
+        if args.precision == "bf16" and not args.fsdp:
+            models.store_frozen_in_bf16(model)           # what autocast would cast every forward, cast once
     if args.fsdp:
         dist.shard(model)                                # parameters, gradients, optimizer state
     params = [p for p in model.parameters() if p.requires_grad]

@@ -118,6 +118,19 @@ def load_policy(name, device, max_new_tokens, gradient_checkpointing=False):
     return model, tok, source
 
 
+def store_frozen_in_bf16(model):
+    """Keep the frozen linear layers (--trainable-layers) in bf16. Under bf16 autocast every forward
+    casts each fp32 weight to bf16 again (autocast caches only weights that require grad); cast once,
+    the same bf16 weights give bit-identical log-probs (tests/test_train_loss.py) without the casts
+    (bench/engines.py, "hf bf16 stored"; docs/RESULTS.md). The output layer, tied to the embedding
+    whose output starts the fp32 residual stream, stays fp32."""
+    import torch
+    head = model.get_output_embeddings()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module is not head and not module.weight.requires_grad:
+            module.to(torch.bfloat16)
+
+
 def bf16_is_fast(cuda):
     """bf16 autocast pays on CUDA and on CPUs with bf16 instructions; elsewhere it is slower than fp32."""
     if cuda:

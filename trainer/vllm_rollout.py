@@ -178,7 +178,8 @@ class VLLMSampler:
             the trainer's weights, relative error under LINEAR_TOL (the engine's rounding; stale weights
             differ by the update, which the fp32 engine resolves every step, a bf16 one once the update
             changes the bf16 weights); the lm_head the same way (tied: against the embedding);
-          * the whole model: mean |log-prob gap| of a probe prompt against the trainer's fp32 forward.
+          * the whole model: mean |log-prob gap| of a probe prompt against the trainer's fp32 forward
+            (under bf16 autocast where the frozen layers are stored in bf16).
         Raises RuntimeError naming the failing groups; the measurements are kept in self.last_check."""
         start = time.perf_counter()
         cast = self._cast(model) if cast is None else cast
@@ -212,7 +213,9 @@ class VLLMSampler:
         engine = torch.tensor([step[t].logprob for step, t in zip(out.prompt_logprobs[1:], self.probe[1:])])
         device = next(model.parameters()).device
         ids = torch.tensor([self.probe], device=device)
-        logits = model(input_ids=ids).logits[0, :-1].float()
+        stored_bf16 = any(p.dtype == torch.bfloat16 for p in model.parameters())   # models.store_frozen_in_bf16
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=stored_bf16):
+            logits = model(input_ids=ids).logits[0, :-1].float()
         ref = logits.log_softmax(-1).gather(1, ids[0, 1:, None])[:, 0].cpu()
         return float((engine - ref).abs().mean())
 
