@@ -123,7 +123,7 @@ SETTINGS = {  # (preset, env): the values that differ from Args' defaults; flags
     # ALFWorld: RL on 4 easy games after a brief cloning of them; eval on them, 8 episodes each (docs/ALGORITHM.md)
     ("cpu", "alfworld"): {**CPU, "task_types": "pick,look", "max_receptacles": 9, "num_games": "4,6", "max_steps": 7,
                           "warmup_epochs": 2, "group_size": 4, "temperature": 0.7, "lr": 5e-5, "minibatch_size": 16,
-                          "eval_splits": "train", "eval_repeats": 8},
+                          "eval_splits": "train", "eval_repeats": 8, "updates": 10, "eval_every": 10, "save_every": 10},
     ("cpu", "webshop"): {**CPU, **WEBSHOP},
 }
 

@@ -2,7 +2,7 @@
 # The CPU demo (the README's first command, `python train.py --env alfworld`) on several seeds and
 # algorithms, one run after the other on a 2-core machine, each timed with /usr/bin/time -v.
 #
-#   bash bench/demo_seeds.sh runs/demo "11 12 13 14 15" "tigpo grpo"     # ~12 min per run
+#   bash bench/demo_seeds.sh runs/demo "11 12 13 14 15" "tigpo grpo"     # ~13 min per run alone
 #   python bench/demo_results.py runs/demo                                # tables + bench/demo_results.png
 #
 # Extra arguments after the third are passed to train.py (e.g. --rollout-engine vllm). A finished run is
