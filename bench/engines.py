@@ -5,9 +5,10 @@ Prints, measured in this process one after the other (ratios against today's def
 previous release, HF generate in fp32):
   * seconds per batched sampling call of P prompts (<= 16 new tokens, the preset's training
     temperature, fresh sampling every repetition, vLLM's prefix cache emptied before each call, so
-    prompts shared within a call are the only reuse, as in a rollout step) for HF generate fp32, HF generate bf16 autocast over fp32
-    weights, HF generate bf16 autocast with the frozen layers stored in bf16 (train.py's default
-    here: models.store_frozen_in_bf16), and, when vLLM is installed, vLLM fp32 and vLLM bf16;
+    prompts shared within a call are the only reuse, as in a rollout step) for HF generate fp32, HF
+    generate bf16 autocast over fp32 weights, HF generate bf16 autocast with the frozen layers stored
+    in bf16 (train.py's default here: models.store_frozen_in_bf16), and, when vLLM is installed, vLLM
+    fp32 and vLLM bf16;
   * each engine's rollout_logprob_gap (mean / max |log pi_sampler - log pi_trainer| over the tokens it
     sampled, the trainer at the engine's precision) -- the sync check of docs/ALGORITHM.md E12;
   * the update's tokens/s (update_policy over those samples, the preset's top 8 blocks trained, one
@@ -19,6 +20,7 @@ previous release, HF generate in fp32):
     python bench/engines.py --whole              # + ~4 minutes per engine
 """
 import argparse
+import copy
 import json
 import os
 import subprocess
@@ -78,7 +80,7 @@ def main():
     args, _ = train.parse_args(["--env", "alfworld", "--preset", "cpu", "--run-dir", "/nonexistent/bench",
                                 "--precision", "fp32"], cuda=False)
     model, tok, _ = build.policy(args, None, torch.device("cpu"), Dist())   # fp32 weights
-    stored = build.policy(args, None, torch.device("cpu"), Dist())[0]      # the same, frozen layers in bf16
+    stored = copy.deepcopy(model)                                           # the same, frozen layers in bf16
     models.store_frozen_in_bf16(stored)
     prompts = preset_prompts(args, tok, model, a.prompts)
     print(f"{a.prompts} CPU-preset prompts of {sum(map(len, prompts)) / len(prompts):.0f} tokens (mean), <= "
