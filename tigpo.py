@@ -19,13 +19,14 @@ States and valid flags may be lists, tuples or NumPy arrays (str or object dtype
 gives the same answer for each and never writes into its input. Details the paper leaves open are
 marked *(choice)* here and in docs/ALGORITHM.md.
 """
+
 import math
 import random
 from collections import defaultdict, deque
 
 __all__ = ["SUCCESS", "ALGOS", "NORMS", "compute_advantages", "GraphMemory", "RevisitScheduler"]
 
-SUCCESS = "<success>"   # E4: the goal sink every won trajectory's last step leads to
+SUCCESS = "<success>"  # E4: the goal sink every won trajectory's last step leads to
 ALGOS = ("grpo", "gigpo", "graphgpo", "tigpo")
 NORMS = ("mean_std", "mean")
 _TRAJ_KEYS = frozenset(("states", "valid", "score", "success"))
@@ -34,6 +35,7 @@ _TRAJ_KEYS = frozenset(("states", "valid", "score", "success"))
 # ---------------------------------------------------------------------------------------------
 # Input checks. Every error names the group, so a bad rollout can be found in a batch of 16.
 # ---------------------------------------------------------------------------------------------
+
 
 def _check_trajs(group, g):
     where = f"group {g} (task {group.get('task')!r})"
@@ -49,7 +51,8 @@ def _check_trajs(group, g):
         if len(traj["valid"]) != len(traj["states"]) - 1:
             raise ValueError(
                 f"{where}, trajectory {i}: len(valid) = {len(traj['valid'])} but len(states) = "
-                f"{len(traj['states'])}; give one valid flag per action, i.e. len(states) - 1")
+                f"{len(traj['states'])}; give one valid flag per action, i.e. len(states) - 1"
+            )
     return where
 
 
@@ -72,23 +75,30 @@ def _check_groups(groups, algo, norm):
 
 def _check_ref_scores(ref_scores, where):
     if ref_scores is None:
-        raise ValueError(f"{where} is a revisit group without ref_scores: pass the scores "
-                         f"Z_E recorded at exploration (RevisitScheduler.plan gives them)")
+        raise ValueError(
+            f"{where} is a revisit group without ref_scores: pass the scores "
+            f"Z_E recorded at exploration (RevisitScheduler.plan gives them)"
+        )
     try:
-        size = len(ref_scores)   # len, not truthiness: ref_scores may be a NumPy array
+        size = len(ref_scores)  # len, not truthiness: ref_scores may be a NumPy array
     except TypeError:
         size = None
     if size is None or isinstance(ref_scores, (str, bytes)):
-        raise ValueError(f"{where} has ref_scores {ref_scores!r}: pass the list of scores Z_E "
-                         f"recorded at exploration, not a single number")
+        raise ValueError(
+            f"{where} has ref_scores {ref_scores!r}: pass the list of scores Z_E "
+            f"recorded at exploration, not a single number"
+        )
     if size == 0:
-        raise ValueError(f"{where} is a revisit group with empty ref_scores: pass the scores "
-                         f"Z_E recorded at exploration (RevisitScheduler.plan gives them)")
+        raise ValueError(
+            f"{where} is a revisit group with empty ref_scores: pass the scores "
+            f"Z_E recorded at exploration (RevisitScheduler.plan gives them)"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
 # Shared pieces: E1's statistics rule and the next state of a step (E4's success sink).
 # ---------------------------------------------------------------------------------------------
+
 
 def _norm_stats(pool, norm, eps):
     """E1's statistics of a reference set Z, shared by E1, E3 and E8: returns (mean, scale) so
@@ -106,7 +116,7 @@ def _norm_stats(pool, norm, eps):
     mean = sum(pool) / n
     if norm == "mean":
         return mean, 1.0
-    squares = 0.0   # a plain loop: the cheapest form for the small pools E3 makes by the thousand
+    squares = 0.0  # a plain loop: the cheapest form for the small pools E3 makes by the thousand
     for z in pool:
         squares += (z - mean) ** 2
     return mean, math.sqrt(squares / (n - 1)) + eps
@@ -128,6 +138,7 @@ def _next_states(traj):
 # current trajectories of one task and give one list of step returns per trajectory.
 # ---------------------------------------------------------------------------------------------
 
+
 def _discounted_returns(trajs, step_gamma, invalid_penalty):
     """E2: R_{i,t} = step_gamma^(T_i-1-t) * R_i - p * (1 - v_{i,t}); the outcome arrives at the
     last step, so earlier steps see it discounted."""
@@ -135,32 +146,41 @@ def _discounted_returns(trajs, step_gamma, invalid_penalty):
     for traj in trajs:
         score, valid = float(traj["score"]), traj["valid"]
         last = len(valid) - 1
-        returns.append([score * step_gamma ** (last - t) - (0.0 if ok else invalid_penalty)
-                        for t, ok in enumerate(valid)])
+        returns.append(
+            [
+                score * step_gamma ** (last - t) - (0.0 if ok else invalid_penalty)
+                for t, ok in enumerate(valid)
+            ]
+        )
     return returns
 
 
 def _distances(batch_preds, hist_preds):
-    """E5 on the graph H u G (E7; H is empty for GraphGPO): for every node that is the next state
-    of a current step (the keys of batch_preds), the fewest edges to SUCCESS, found by BFS from
-    SUCCESS over reversed edges. A node that cannot reach SUCCESS gets d_max + 1, d_max the
-    largest finite distance of the whole graph; with no SUCCESS node at all every node gets 1
+    """E5 on the graph H u G (E7; H is empty for GraphGPO): for every next state of a current step
+    (the keys of batch_preds), the fewest edges to SUCCESS, found by BFS from SUCCESS over
+    reversed edges. batch_preds maps each such state to the sources of its valid steps (E4), an
+    empty list when only invalid steps lead there; hist_preds is H's reversed index, which never
+    holds an empty set. A state that cannot reach SUCCESS gets d_max + 1, d_max the largest finite
+    distance of the whole graph; so does a state that is no node of the graph at all (no valid
+    edge touches it: the BFS never reaches it). With no SUCCESS node at all every state gets 1
     (GraphGPO's convention).
 
     Fast path: the BFS walks the memory's own reversed index in place (no copy or merge of H),
     one level at a time with set operations (C speed), and stops as soon as every current next
     state has its distance; it runs to the end only when some next state cannot reach SUCCESS,
     which is exactly when d_max is needed."""
-    if SUCCESS not in batch_preds and SUCCESS not in hist_preds:
+    # Trap: SUCCESS can be a key with no valid edge into it (a won last step that was invalid);
+    # it is a node only when some valid edge of G or H enters it.
+    if not batch_preds.get(SUCCESS) and SUCCESS not in hist_preds:
         return dict.fromkeys(batch_preds, 1)
-    dist = dict.fromkeys(batch_preds)   # None until reached
+    dist = dict.fromkeys(batch_preds)  # None until reached
     dist[SUCCESS] = 0
     seen, frontier, d = {SUCCESS}, {SUCCESS}, 0
-    unseen = set(batch_preds) - seen    # current next states still without a distance
+    unseen = set(batch_preds) - seen  # current next states still without a distance
     while frontier and unseen:
         d += 1
         reached = set()
-        for node in frontier:   # E7: predecessors in G_x and in the history H_x
+        for node in frontier:  # E7: predecessors in G_x and in the history H_x
             reached.update(batch_preds.get(node, ()), hist_preds.get(node, ()))
         frontier = reached - seen
         seen |= frontier
@@ -168,7 +188,7 @@ def _distances(batch_preds, hist_preds):
             dist[node] = d
         unseen -= frontier
     # Some next states left unseen means the BFS ran to the end: level d found nothing new, so
-    # d_max = d - 1 and an unreachable node gets d_max + 1 = d.
+    # d_max = d - 1 and an unreachable or off-graph state gets d_max + 1 = d.
     for node in unseen:
         dist[node] = d
     return dist
@@ -176,49 +196,69 @@ def _distances(batch_preds, hist_preds):
 
 def _graph_returns(trajs, hist_preds, success_reward, graph_gamma, invalid_penalty):
     """E4 + E6: q_{i,t} = C * graph_gamma^d(s_{i,t+1}) - p * (1 - v_{i,t}), with d from E5 on the
-    batch-local graph G_x of this task's current steps (invalid steps and self-loops included)
-    joined with the task's persistent graph H_x (E7; hist_preds, empty for GraphGPO). History
-    only changes distances: it never adds a step to the output."""
-    batch_preds, nexts_of = {}, []   # batch_preds: reversed G_x, {next state: [source states]}
+    batch-local graph G_x of this task's valid current steps joined with the task's persistent
+    graph H_x (E7; hist_preds, empty for GraphGPO). Every step gets a return, invalid ones
+    included; only valid steps add an edge. History only changes distances: it never adds a step
+    to the output."""
+    batch_preds, nexts_of = {}, []  # batch_preds: reversed G_x, {next state: [source states]}
     for traj in trajs:
         nexts = _next_states(traj)
         nexts_of.append(nexts)
-        for src, nxt in zip(traj["states"], nexts):
+        for src, nxt, ok in zip(traj["states"], nexts, traj["valid"]):
             into = batch_preds.get(nxt)
             if into is None:
-                batch_preds[nxt] = [src]
-            else:
-                into.append(src)   # duplicates are cheaper to keep than to remove here
+                # An invalid step adds no edge (E4), but its next state is still a key so that
+                # E5 scores it: d_max + 1 when no valid edge of G or H touches it.
+                batch_preds[nxt] = [src] if ok else []
+            elif ok:
+                into.append(src)  # duplicates are cheaper to keep than to remove here
     dist = _distances(batch_preds, hist_preds)
-    graph_return = [success_reward * graph_gamma ** d   # C * gamma^d, once per distance
-                    for d in range(max(dist.values(), default=0) + 1)]
+    graph_return = [
+        success_reward * graph_gamma**d  # C * gamma^d, once per distance
+        for d in range(max(dist.values(), default=0) + 1)
+    ]
     value = {n: graph_return[d] for n, d in dist.items()}
-    return [[value[n] if ok else value[n] - invalid_penalty for n, ok in zip(nexts, traj["valid"])]
-            for traj, nexts in zip(trajs, nexts_of)]
+    return [
+        [value[n] if ok else value[n] - invalid_penalty for n, ok in zip(nexts, traj["valid"])]
+        for traj, nexts in zip(trajs, nexts_of)
+    ]
 
 
 def _anchor_stats(trajs, returns, norm, eps):
     """E3: the statistics of each anchor group, the current steps of one task that share a source
-    state s_{i,t} (the caller passes one task at a time, so the key (task, s) of docs/ALGORITHM.md is the state
-    alone here), with E1's rule: {state: (mean, scale)}; a step's normalised value is
-    (q - mean) / scale, exactly 0 in a group of one."""
-    anchors = defaultdict(list)   # {state: [step returns]} in batch order
+    state s_{i,t} (the caller passes one task at a time, so the key (task, s) of
+    docs/ALGORITHM.md is the state alone here), with E1's rule: {state: (mean, scale)}; a step's
+    normalised value is (q - mean) / scale, exactly 0 in a group of one."""
+    anchors = defaultdict(list)  # {state: [step returns]} in batch order
     for traj, row in zip(trajs, returns):
         for s, q in zip(traj["states"], row):
             anchors[s].append(q)
     # A lone state skips the call: (q - q) / 1.0 is exactly 0.
-    return {s: (b[0], 1.0) if len(b) == 1 else _norm_stats(b, norm, eps)
-            for s, b in anchors.items()}
+    return {
+        s: (b[0], 1.0) if len(b) == 1 else _norm_stats(b, norm, eps) for s, b in anchors.items()
+    }
 
 
 # ---------------------------------------------------------------------------------------------
 # The advantages of all four algorithms (docs/ALGORITHM.md table) and their combination (E9).
 # ---------------------------------------------------------------------------------------------
 
-def compute_advantages(groups, algo="tigpo", memory=None, *, success_reward=10.0,
-                       invalid_penalty=0.1, step_gamma=0.95, graph_gamma=0.1,
-                       lambda_step=1.0, lambda_ep=1.0, norm="mean_std", eps=1e-6,
-                       cross_temporal=True):
+
+def compute_advantages(
+    groups,
+    algo="tigpo",
+    memory=None,
+    *,
+    success_reward=10.0,
+    invalid_penalty=0.1,
+    step_gamma=0.95,
+    graph_gamma=0.1,
+    lambda_step=1.0,
+    lambda_ep=1.0,
+    norm="mean_std",
+    eps=1e-6,
+    cross_temporal=True,
+):
     """Per-step advantages, [group][traj][step], for one batch of groups.
 
       grpo:     A_{i,t} = lambda_ep * A^ep_i                        (E1, no step term)
@@ -244,13 +284,15 @@ def compute_advantages(groups, algo="tigpo", memory=None, *, success_reward=10.0
         scores = [float(traj["score"]) for traj in group["trajs"]]
         pool = scores
         if algo == "tigpo" and cross_temporal and group.get("kind", "explore") == "revisit":
-            pool = [float(z) for z in group["ref_scores"]] + scores   # Z = Z_E u Z_now (E8)
+            pool = [float(z) for z in group["ref_scores"]] + scores  # Z = Z_E u Z_now (E8)
         mean, scale = _norm_stats(pool, norm, eps)
         episode.append([(z - mean) / scale for z in scores])
 
     if algo == "grpo":
-        return [[[lambda_ep * ep] * len(traj["valid"]) for traj, ep in zip(group["trajs"], row)]
-                for group, row in zip(groups, episode)]
+        return [
+            [[lambda_ep * ep] * len(traj["valid"]) for traj, ep in zip(group["trajs"], row)]
+            for group, row in zip(groups, episode)
+        ]
 
     # Step term, task by task (E3 groups and E4/E7 graphs never cross tasks), then E9.
     by_task = {}
@@ -270,11 +312,18 @@ def compute_advantages(groups, algo="tigpo", memory=None, *, success_reward=10.0
         for g in members:
             per_traj = []
             for traj, ep in zip(groups[g]["trajs"], episode[g]):
-                step_returns = next(rows)   # q_{i,t} (or R_{i,t}) for t < T_i
-                # E3: normalise within the anchor group of s_{i,t}
-                step_adv = [(q - stats[s][0]) / stats[s][1] for q, s in zip(step_returns, traj["states"])]
-                # E9: A_{i,t} = lambda_step * A^step_{i,t} + lambda_ep * A^ep_i
-                per_traj.append([lambda_step * a + lambda_ep * ep for a in step_adv])
+                step_returns = next(rows)  # q_{i,t} (or R_{i,t}) for t < T_i
+                # E3's (mean, scale) of the anchor group of each s_{i,t}; zip stops at the
+                # shorter step_returns, so s_{i,T} (no step leaves it) is never looked up.
+                anchors = map(stats.__getitem__, traj["states"])
+                # E9: A_{i,t} = lambda_step * A^step_{i,t} + lambda_ep * A^ep_i, with E3's
+                # A^step_{i,t} = (q - mean) / scale
+                per_traj.append(
+                    [
+                        lambda_step * ((q - mean) / scale) + lambda_ep * ep
+                        for q, (mean, scale) in zip(step_returns, anchors)
+                    ]
+                )
             out[g] = per_traj
     return out
 
@@ -282,6 +331,7 @@ def compute_advantages(groups, algo="tigpo", memory=None, *, success_reward=10.0
 # ---------------------------------------------------------------------------------------------
 # Persistent instance graph H (E7, E10).
 # ---------------------------------------------------------------------------------------------
+
 
 class GraphMemory:
     """H: the persistent transition graph of every task, {task: {src: {dst}}} (E7), written only
@@ -294,25 +344,28 @@ class GraphMemory:
 
     def __init__(self, max_edges_per_task=None):
         if max_edges_per_task is not None and (
-                isinstance(max_edges_per_task, bool) or not isinstance(max_edges_per_task, int)
-                or max_edges_per_task < 1):
-            raise ValueError(f"max_edges_per_task must be None (unbounded) or an int >= 1, "
-                             f"got {max_edges_per_task!r}")
+            isinstance(max_edges_per_task, bool)
+            or not isinstance(max_edges_per_task, int)
+            or max_edges_per_task < 1
+        ):
+            raise ValueError(
+                f"max_edges_per_task must be None (unbounded) or an int >= 1, "
+                f"got {max_edges_per_task!r}"
+            )
         self.max_edges_per_task = max_edges_per_task
-        self.preds = {}   # {task: {dst: set(src)}}: the reversed graph, read by compute_advantages
-        self.order = {}   # {task: deque([(src, dst), ...])}: first-insertion order of the edges
+        self.preds = {}  # {task: {dst: set(src)}}: the reversed graph, read by compute_advantages
+        self.order = {}  # {task: deque([(src, dst), ...])}: first-insertion order of the edges
         self.evicted = 0  # edges dropped by the bound, over the memory's life
 
     def add(self, groups):
-        """E10: H_x <- H_x u {valid transitions of G_x}. Invalid actions and self-loops are not
-        stored *(choice)*; the success edge of a won trajectory's last step is, when that step
+        """E10: H_x <- H_x u G_x, whose edges are the valid transitions (E4); self-loops are not
+        stored *(choice)*. The success edge of a won trajectory's last step is, when that step
         was valid."""
-        for g, group in enumerate(groups):   # check everything first: a bad group adds nothing
+        for g, group in enumerate(groups):  # check everything first: a bad group adds nothing
             _check_trajs(group, g)
         for group in groups:
             for traj in group["trajs"]:
-                self._insert(group["task"],
-                             zip(traj["states"], _next_states(traj), traj["valid"]))
+                self._insert(group["task"], zip(traj["states"], _next_states(traj), traj["valid"]))
 
     def _insert(self, task, transitions):
         """Store the valid, non-self-loop (src, dst, valid) transitions, in order, new edges only;
@@ -321,8 +374,8 @@ class GraphMemory:
         cap = self.max_edges_per_task
         for src, dst, ok in transitions:
             if not ok or src == dst:
-                continue   # an invalid action is no transition; a self-loop never shortens a path
-            if preds is None:   # a task enters the memory with its first edge, never empty
+                continue  # an invalid action is no transition; a self-loop never shortens a path
+            if preds is None:  # a task enters the memory with its first edge, never empty
                 preds = self.preds[task] = {}
                 order = self.order[task] = deque()
             into = preds.get(dst)
@@ -361,7 +414,7 @@ class GraphMemory:
     def stats(self, groups=None):
         """The diagnostics the paper plots: stored tasks, nodes (SUCCESS counts as a node of each
         task that reached it) and edges, each task's nodes and edges (mean and max), and the edges
-        the bound evicted so far (the size in bytes is trainer/runlog.py's memory_bytes, a
+        the bound evicted so far (the size in bytes is train.py's memory_bytes, a
         diagnostic kept out of the core). With `groups` (call it before add), also
         task_hit_rate, the fraction of those groups whose task is stored, and state_hit_rate, the
         fraction of their current source states s_{i,t} (every step counts) already a node of that
@@ -369,12 +422,16 @@ class GraphMemory:
         nodes = {t: self._nodes(t) for t in self.order}
         edges = [len(o) for o in self.order.values()]
         sizes = [len(n) for n in nodes.values()]
-        out = {"tasks": len(self.order), "nodes": sum(sizes), "edges": sum(edges),
-               "nodes_per_task_mean": sum(sizes) / len(sizes) if sizes else 0.0,
-               "nodes_per_task_max": max(sizes, default=0),
-               "edges_per_task_mean": sum(edges) / len(edges) if edges else 0.0,
-               "edges_per_task_max": max(edges, default=0),
-               "evicted_edges": self.evicted}
+        out = {
+            "tasks": len(self.order),
+            "nodes": sum(sizes),
+            "edges": sum(edges),
+            "nodes_per_task_mean": sum(sizes) / len(sizes) if sizes else 0.0,
+            "nodes_per_task_max": max(sizes, default=0),
+            "edges_per_task_mean": sum(edges) / len(edges) if edges else 0.0,
+            "edges_per_task_max": max(edges, default=0),
+            "evicted_edges": self.evicted,
+        }
         if groups is not None:
             steps, hits = 0, 0
             for group in groups:
@@ -390,9 +447,13 @@ class GraphMemory:
 
     def state_dict(self):
         """JSON-serialisable: the bound and every task's edges in first-insertion order."""
-        return {"max_edges_per_task": self.max_edges_per_task, "evicted": self.evicted,
-                "edges": {task: [[src, dst] for src, dst in order]
-                          for task, order in self.order.items()}}
+        return {
+            "max_edges_per_task": self.max_edges_per_task,
+            "evicted": self.evicted,
+            "edges": {
+                task: [[src, dst] for src, dst in order] for task, order in self.order.items()
+            },
+        }
 
     def load_state_dict(self, state):
         """Replace this memory by a saved one (bound included); the eviction order survives."""
@@ -405,6 +466,7 @@ class GraphMemory:
 # ---------------------------------------------------------------------------------------------
 # Exploration-revisit schedule (E11).
 # ---------------------------------------------------------------------------------------------
+
 
 class RevisitScheduler:
     """E11: num_groups group slots per update, at most revisit_groups of them revisits, each
@@ -423,39 +485,46 @@ class RevisitScheduler:
         self.tasks = list(tasks)
         if not self.tasks:
             raise ValueError("RevisitScheduler needs a non-empty list of tasks to explore")
-        for name, value in (("num_groups", num_groups), ("revisit_groups", revisit_groups),
-                            ("delay", delay)):
+        for name, value in (
+            ("num_groups", num_groups),
+            ("revisit_groups", revisit_groups),
+            ("delay", delay),
+        ):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if revisit_groups > num_groups:
-            raise ValueError(f"revisit_groups ({revisit_groups}) > num_groups ({num_groups}): "
-                             f"revisits take slots of the fixed budget, use at most num_groups")
+            raise ValueError(
+                f"revisit_groups ({revisit_groups}) > num_groups ({num_groups}): "
+                f"revisits take slots of the fixed budget, use at most num_groups"
+            )
         if revisit_groups and delay < 1:
-            raise ValueError(f"delay must be >= 1 with revisit_groups > 0, got {delay}: a group "
-                             f"explored at update k is recorded after plan(k), so k + 1 is the "
-                             f"first update that can revisit it")
+            raise ValueError(
+                f"delay must be >= 1 with revisit_groups > 0, got {delay}: a group "
+                f"explored at update k is recorded after plan(k), so k + 1 is the "
+                f"first update that can revisit it"
+            )
         self.num_groups, self.revisit_groups, self.delay = num_groups, revisit_groups, delay
         self.rng = random.Random(seed)
-        self.queue = deque()   # (k_E, task, Z_E) of the last `delay` updates, oldest first
-        self.dropped = 0       # entries never revisited (no free slot at k_E + delay)
-        self.epoch = []        # this epoch's shuffled task order ...
-        self.pos = 0           # ... and how much of it has been explored
+        self.queue = deque()  # (k_E, task, Z_E) of the last `delay` updates, oldest first
+        self.dropped = 0  # entries never revisited (no free slot at k_E + delay)
+        self.epoch = []  # this epoch's shuffled task order ...
+        self.pos = 0  # ... and how much of it has been explored
 
     def plan(self, update):
         """The num_groups slots of update `update`: revisits first, then explorations; each a
         dict {"task", "kind", "ref_scores"} (ref_scores None for explorations)."""
         slots, waiting = [], deque()
-        for entry in self.queue:   # at most delay * num_groups entries
-            due = entry[0] + self.delay
+        for explored_at, task, ref_scores in self.queue:  # at most delay * num_groups entries
+            due = explored_at + self.delay
             if due > update:
-                waiting.append(entry)
+                waiting.append((explored_at, task, ref_scores))
             elif due == update and len(slots) < self.revisit_groups:
-                slots.append({"task": entry[1], "kind": "revisit", "ref_scores": list(entry[2])})
-            else:   # no slot left at its update, or its update was skipped: never served late
+                slots.append({"task": task, "kind": "revisit", "ref_scores": list(ref_scores)})
+            else:  # no slot left at its update, or its update was skipped: never served late
                 self.dropped += 1
         self.queue = waiting
         while len(slots) < self.num_groups:
-            if self.pos == len(self.epoch):   # epoch start: a fresh pass over the task list
+            if self.pos == len(self.epoch):  # epoch start: a fresh pass over the task list
                 self.epoch = list(self.tasks)
                 self.rng.shuffle(self.epoch)
                 self.pos = 0
@@ -473,16 +542,23 @@ class RevisitScheduler:
         for group in groups:
             if group.get("kind", "explore") == "explore":
                 self.queue.append(
-                    (update, group["task"], [float(traj["score"]) for traj in group["trajs"]]))
+                    (update, group["task"], [float(traj["score"]) for traj in group["trajs"]])
+                )
 
     def state_dict(self):
         """JSON-serialisable, RNG included, so the next plans after a round trip are identical."""
         version, internal, gauss_next = self.rng.getstate()
-        return {"tasks": list(self.tasks), "num_groups": self.num_groups,
-                "revisit_groups": self.revisit_groups, "delay": self.delay,
-                "queue": [[k, task, list(z)] for k, task, z in self.queue],
-                "dropped": self.dropped, "epoch": list(self.epoch), "pos": self.pos,
-                "rng": [version, list(internal), gauss_next]}
+        return {
+            "tasks": list(self.tasks),
+            "num_groups": self.num_groups,
+            "revisit_groups": self.revisit_groups,
+            "delay": self.delay,
+            "queue": [[k, task, list(z)] for k, task, z in self.queue],
+            "dropped": self.dropped,
+            "epoch": list(self.epoch),
+            "pos": self.pos,
+            "rng": [version, list(internal), gauss_next],
+        }
 
     def load_state_dict(self, state):
         """Restore a saved schedule; the settings must match this scheduler's. A state saved
@@ -492,11 +568,14 @@ class RevisitScheduler:
             mine = getattr(self, key)
             if state[key] != mine:
                 shown = "the task list" if key == "tasks" else f"{state[key]!r} != {mine!r}"
-                raise ValueError(f"scheduler state has a different {key} ({shown}): resume "
-                                 f"with the settings it was saved with")
+                raise ValueError(
+                    f"scheduler state has a different {key} ({shown}): resume "
+                    f"with the settings it was saved with"
+                )
         # (an old exploration-only state may hold a queue: nothing would ever read it)
-        self.queue = deque((k, task, list(z)) for k, task, z in state["queue"]
-                           if self.revisit_groups)
+        self.queue = deque(
+            (k, task, list(z)) for k, task, z in state["queue"] if self.revisit_groups
+        )
         self.dropped = state.get("dropped", 0)
         self.epoch, self.pos = list(state["epoch"]), state["pos"]
         version, internal, gauss_next = state["rng"]

@@ -1,6 +1,7 @@
 """tigpo.py property tests on random batches: the fast path equals a naive, literal reading of
 docs/ALGORITHM.md E1-E10 (written out below), inputs are never mutated, group order does not matter,
 and a task's advantages depend only on that task's groups and memory."""
+
 import copy
 import json
 import random
@@ -17,8 +18,9 @@ TOL = 1e-9
 # Naive reference: every equation in its most literal form, no shortcuts.
 # ---------------------------------------------------------------------------------------------
 
+
 def naive_norm(values, pool, norm, eps):
-    if len(set(pool)) == 1:   # one value, or equal values: no spread, exactly 0 (fmean is inexact)
+    if len(set(pool)) == 1:  # one value, or equal values: no spread, exactly 0 (fmean is inexact)
         return [0.0 for _ in values]
     mean = statistics.fmean(pool)
     if norm == "mean":
@@ -26,31 +28,49 @@ def naive_norm(values, pool, norm, eps):
     return [(v - mean) / (statistics.stdev(pool) + eps) for v in values]
 
 
-def naive_distances(edges):
-    """E5 by repeated relaxation over an explicit edge set (no BFS, no early stop)."""
+def naive_distances(edges, states):
+    """E5 by repeated relaxation over an explicit edge set (no BFS, no early stop), for every
+    state in `states`, nodes of the graph or not. A state no edge touches, or one that cannot
+    reach SUCCESS, gets d_max + 1; with no SUCCESS node, every state gets 1."""
     nodes = {n for edge in edges for n in edge}
     if SUCCESS not in nodes:
-        return {n: 1 for n in nodes}
-    dist, changed = {SUCCESS: 0}, True
+        return {n: 1 for n in states}
+    dist = {SUCCESS: 0}
+    changed = True
     while changed:
         changed = False
         for src, dst in edges:
             if dst in dist and dist.get(src, float("inf")) > dist[dst] + 1:
-                dist[src], changed = dist[dst] + 1, True
+                dist[src] = dist[dst] + 1
+                changed = True
     d_max = max(dist.values())
-    return {n: dist.get(n, d_max + 1) for n in nodes}
+    return {n: dist.get(n, d_max + 1) for n in states}
 
 
 def naive_steps(traj):
     """(src, next, valid, t, T) per step, the last step of a won trajectory ending in SUCCESS."""
     states, valid, T = traj["states"], traj["valid"], len(traj["valid"])
     won = traj["success"]
-    return [(states[t], SUCCESS if won and t == T - 1 else states[t + 1], valid[t], t, T)
-            for t in range(T)]
+    return [
+        (states[t], SUCCESS if won and t == T - 1 else states[t + 1], valid[t], t, T)
+        for t in range(T)
+    ]
 
 
-def naive_advantages(groups, algo, history, C=10.0, p=0.1, gs=0.95, gg=0.1, ls=1.0, le=1.0,
-                     norm="mean_std", eps=1e-6, cross_temporal=True):
+def naive_advantages(
+    groups,
+    algo,
+    history,
+    C=10.0,
+    p=0.1,
+    gs=0.95,
+    gg=0.1,
+    ls=1.0,
+    le=1.0,
+    norm="mean_std",
+    eps=1e-6,
+    cross_temporal=True,
+):
     """history: {task: set of (src, dst)} for tigpo."""
     episode = []
     for g in groups:
@@ -60,17 +80,25 @@ def naive_advantages(groups, algo, history, C=10.0, p=0.1, gs=0.95, gg=0.1, ls=1
             pool = list(g["ref_scores"]) + scores
         episode.append(naive_norm(scores, pool, norm, eps))
     if algo == "grpo":
-        return [[[le * e] * len(t["valid"]) for t, e in zip(g["trajs"], ep)]
-                for g, ep in zip(groups, episode)]
+        return [
+            [[le * e] * len(t["valid"]) for t, e in zip(g["trajs"], ep)]
+            for g, ep in zip(groups, episode)
+        ]
     # One record per current step: ((task, src), return), computed per task.
     returns = {}
     for task in {g["task"] for g in groups}:
-        mine = [(gi, i, t) for gi, g in enumerate(groups) if g["task"] == task
-                for i, t in enumerate(g["trajs"])]
-        edges = {(s, n) for _, _, t in mine for s, n, _, _, _ in naive_steps(t)}
+        mine = [
+            (gi, i, t)
+            for gi, g in enumerate(groups)
+            if g["task"] == task
+            for i, t in enumerate(g["trajs"])
+        ]
+        # E4: G_x holds the valid transitions only (valid self-loops too: they change nothing)
+        edges = {(s, n) for _, _, t in mine for s, n, ok, _, _ in naive_steps(t) if ok}
         if algo == "tigpo":
             edges |= history.get(task, set())
-        dist = naive_distances(edges) if algo != "gigpo" else None
+        nexts = {n for _, _, t in mine for _, n, _, _, _ in naive_steps(t)}
+        dist = naive_distances(edges, nexts) if algo != "gigpo" else None
         for gi, i, t in mine:
             for src, nxt, ok, step, T in naive_steps(t):
                 if algo == "gigpo":
@@ -106,6 +134,7 @@ def naive_memory_add(history, groups):
 # Random batches: few states per task so anchors, merges, dead ends and wins all occur.
 # ---------------------------------------------------------------------------------------------
 
+
 def random_batch(rng, tasks=("x", "y", "z")):
     groups = []
     for _ in range(rng.randint(1, 6)):
@@ -116,8 +145,14 @@ def random_batch(rng, tasks=("x", "y", "z")):
             states = [rng.choice("abcdefg") for _ in range(T + 1)]
             success = T > 0 and rng.random() < 0.3
             score = rng.choice([10.0, 7.5]) if success else rng.choice([0.0, 0.0, 1.25, -3.0])
-            trajs.append({"states": states, "valid": [rng.random() < 0.8 for _ in range(T)],
-                          "score": score, "success": success})
+            trajs.append(
+                {
+                    "states": states,
+                    "valid": [rng.random() < 0.8 for _ in range(T)],
+                    "score": score,
+                    "success": success,
+                }
+            )
         group = {"task": task, "kind": "explore", "trajs": trajs}
         if rng.random() < 0.4:
             group["kind"] = "revisit"
@@ -141,18 +176,26 @@ def close(a, b):
     return abs(a - b) <= TOL
 
 
-SETTINGS = [dict(), dict(norm="mean"), dict(cross_temporal=False),
-            dict(lambda_step=0.5, lambda_ep=2.0, graph_gamma=0.2, invalid_penalty=0.3)]
+SETTINGS = [
+    dict(),
+    dict(norm="mean"),
+    dict(cross_temporal=False),
+    dict(lambda_step=0.5, lambda_ep=2.0, graph_gamma=0.2, invalid_penalty=0.3),
+]
 
 
 @pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("setting", range(len(SETTINGS)))
 def test_fast_path_equals_naive_reference(algo, setting):
     kwargs = SETTINGS[setting]
-    naive_kwargs = {"norm": kwargs.get("norm", "mean_std"),
-                    "cross_temporal": kwargs.get("cross_temporal", True),
-                    "ls": kwargs.get("lambda_step", 1.0), "le": kwargs.get("lambda_ep", 1.0),
-                    "gg": kwargs.get("graph_gamma", 0.1), "p": kwargs.get("invalid_penalty", 0.1)}
+    naive_kwargs = {
+        "norm": kwargs.get("norm", "mean_std"),
+        "cross_temporal": kwargs.get("cross_temporal", True),
+        "ls": kwargs.get("lambda_step", 1.0),
+        "le": kwargs.get("lambda_ep", 1.0),
+        "gg": kwargs.get("graph_gamma", 0.1),
+        "p": kwargs.get("invalid_penalty", 0.1),
+    }
     rng = random.Random(1000 * setting + ALGOS.index(algo))
     for _ in range(60):
         memory, history = seeded_memory(rng)
@@ -200,10 +243,30 @@ def test_a_tasks_advantages_depend_only_on_its_groups_and_memory(algo):
         # Only task x's groups, and a memory holding only task x's graph.
         state = memory.state_dict()
         alone = GraphMemory()
-        alone.load_state_dict({**state, "edges": {t: e for t, e in state["edges"].items()
-                                                  if t == "x"}})
+        alone.load_state_dict(
+            {**state, "edges": {t: e for t, e in state["edges"].items() if t == "x"}}
+        )
         part = compute_advantages([batch[i] for i in keep], algo, alone)
         assert close(part, [full[i] for i in keep])
+
+
+def test_a_batch_scores_the_same_once_the_memory_holds_it():
+    """E4 and E10 keep the same edges (valid transitions; H drops self-loops, which change no
+    distance), so H u G does not change when H already holds G: storing a batch and scoring it
+    again gives the same advantages, and GraphGPO's G_x equals tigpo on a memory of that batch
+    alone (E8 off, so revisit groups use E1 in both)."""
+    rng = random.Random(29)
+    for _ in range(60):
+        memory, _ = seeded_memory(rng)
+        batch = random_batch(rng)
+        before = compute_advantages(batch, "tigpo", memory)
+        memory.add(batch)
+        assert compute_advantages(batch, "tigpo", memory) == before
+        alone = GraphMemory()
+        alone.add(batch)
+        assert compute_advantages(
+            batch, "tigpo", alone, cross_temporal=False
+        ) == compute_advantages(batch, "graphgpo")
 
 
 def test_memory_bound_keeps_the_newest_edges_of_each_task():
@@ -213,15 +276,16 @@ def test_memory_bound_keeps_the_newest_edges_of_each_task():
         for _ in range(6):
             batch = random_batch(rng)
             bounded.add(batch)
-            for g in batch:   # naive: the first-insertion order of distinct edges, FIFO-evicted
+            for g in batch:  # naive: the first-insertion order of distinct edges, FIFO-evicted
                 kept = log.setdefault(g["task"], [])
                 for t in g["trajs"]:
                     for src, nxt, ok, _, _ in naive_steps(t):
                         if ok and src != nxt and (src, nxt) not in kept:
                             kept.append((src, nxt))
                             del kept[:-cap]
-        assert {t: [tuple(e) for e in edges] for t, edges in
-                bounded.state_dict()["edges"].items()} == log
+        assert {
+            t: [tuple(e) for e in edges] for t, edges in bounded.state_dict()["edges"].items()
+        } == log
 
 
 def test_scheduler_budget_and_exact_delay_invariants():
@@ -232,25 +296,31 @@ def test_scheduler_budget_and_exact_delay_invariants():
         revisit = rng.randint(0, num)
         delay = rng.randint(1 if revisit else 0, 3)
         sched = RevisitScheduler(tasks, num, revisit, delay, seed=rng.randint(0, 99))
-        recorded, dropped = {}, 0   # naive: {update: [(task, scores)] in record order}
+        recorded, dropped = {}, 0  # naive: {update: [(task, scores)] in record order}
         for k in range(1, 16):
             plan = sched.plan(k)
-            assert len(plan) == num   # B never changes
+            assert len(plan) == num  # B never changes
             revisits = [s for s in plan if s["kind"] == "revisit"]
-            assert plan[:len(revisits)] == revisits   # revisits come first
+            assert plan[: len(revisits)] == revisits  # revisits come first
             # Exactly the groups explored at k - delay, the first `revisit` of them in record
             # order; the rest are dropped, never served at a later update.
             due = recorded.pop(k - delay, [])
             assert [(s["task"], s["ref_scores"]) for s in revisits] == due[:revisit]
             dropped += len(due[revisit:])
             assert sched.dropped == dropped
-            explored = [{"task": s["task"], "kind": "explore",
-                         "trajs": [{"states": ["s"], "valid": [], "score": float(k),
-                                    "success": False}]} for s in plan if s["kind"] == "explore"]
+            explored = [
+                {
+                    "task": s["task"],
+                    "kind": "explore",
+                    "trajs": [{"states": ["s"], "valid": [], "score": float(k), "success": False}],
+                }
+                for s in plan
+                if s["kind"] == "explore"
+            ]
             sched.record(k, explored)
             if revisit:
                 recorded[k] = [(g["task"], [float(k)]) for g in explored]
-            assert len(sched.queue) <= delay * num   # the last `delay` updates' explorations
+            assert len(sched.queue) <= delay * num  # the last `delay` updates' explorations
 
 
 @pytest.mark.parametrize("algo", ALGOS)
@@ -262,11 +332,24 @@ def test_equal_values_give_exactly_zero(algo, norm):
     rng = random.Random(23)
     for _ in range(200):
         value = rng.uniform(-10.0, 10.0)
-        trajs = [{"states": ["s0", f"n{i}"], "valid": [True], "score": value, "success": False}
-                 for i in range(rng.randint(2, 9))]
+        trajs = [
+            {"states": ["s0", f"n{i}"], "valid": [True], "score": value, "success": False}
+            for i in range(rng.randint(2, 9))
+        ]
         kind = rng.choice(["explore", "revisit"])
-        batch = [{"task": "x", "kind": kind, "trajs": trajs,
-                  "ref_scores": [value] * rng.randint(1, 9) if kind == "revisit" else None}]
-        got = compute_advantages(batch, algo, success_reward=rng.uniform(0.1, 20.0), norm=norm,
-                                 graph_gamma=rng.uniform(0.05, 0.5))
+        batch = [
+            {
+                "task": "x",
+                "kind": kind,
+                "trajs": trajs,
+                "ref_scores": [value] * rng.randint(1, 9) if kind == "revisit" else None,
+            }
+        ]
+        got = compute_advantages(
+            batch,
+            algo,
+            success_reward=rng.uniform(0.1, 20.0),
+            norm=norm,
+            graph_gamma=rng.uniform(0.05, 0.5),
+        )
         assert got == [[[0.0]] * len(trajs)], (algo, norm, value, len(trajs))
