@@ -1,14 +1,23 @@
-"""envs.py: the environments of tigpo (docs/ALGORITHM.md, "Environments"): ALFWorld on the real
-engine, generated ALFWorld games, and the parallel env pool that steps any env (ALFWorld, or
-WebShop from webshop.py) in worker processes. The step prompt and the reply parser live in
-textenv.py, which every env module shares."""
+"""envs.py: the environments of tigpo and what every one of them shares (docs/ALGORITHM.md,
+"Environments").
+
+  * the vocabulary of one agent step: the outcome score C of a won episode (E2, E6), the validity
+    convention of an action, the step prompt in its two response formats, the reply parser;
+  * ALFWorld on the real engine (the `alfworld` package, imported on first use);
+  * the parallel env pool that steps any env (ALFWorld, or WebShop from extras/webshop.py) in
+    worker processes.
+
+Generated ALFWorld games (extras/alfworld_gen.py) and the WebShop client (extras/webshop.py) are
+imported only when a run needs them.
+"""
+
 import functools
 import hashlib
 import json
 import os
 import re
-import shutil
 import select
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -16,9 +25,144 @@ import weakref
 
 from tqdm import tqdm
 
-from environments import alfworld_gen
-from environments.textenv import (ALFWORLD_DEFAULT_GAMES, ALFWORLD_SHORT_TYPE, ALFWORLD_TASK_TYPES, SUCCESS_REWARD,
-                     TaskError, normalize_action)
+# ---------------------------------------------------------------------------------------------
+# The vocabulary of one step: reward, actions, the prompt, the reply parser
+# ---------------------------------------------------------------------------------------------
+SUCCESS_REWARD = 10.0  # C of E2/E6: the score of a won episode (ALFWorld 10/0; WebShop 10 x score)
+
+# short name (what tigpo reports per type) -> ALFRED task type (the folder prefix of a game)
+ALFWORLD_TASK_TYPES = {
+    "pick": "pick_and_place_simple",
+    "look": "look_at_obj_in_light",
+    "clean": "pick_clean_then_place_in_recep",
+    "heat": "pick_heat_then_place_in_recep",
+    "cool": "pick_cool_then_place_in_recep",
+    "pick2": "pick_two_obj_and_place",
+}
+ALFWORLD_SHORT_TYPE = {v: k for k, v in ALFWORLD_TASK_TYPES.items()}
+ALFWORLD_DEFAULT_GAMES = (
+    24,
+    6,
+)  # generated when no data is given: train games, games per eval split
+
+RESPONSE_FORMATS = ("think", "action")
+# The prefill of the "action" format: prompt tokens (never generated, never trained), so a reply
+# in that format is the text after it, up to and including the stop string ACTION_END.
+ACTION_PREFILL, ACTION_END = "<action>", "</action>"
+
+
+class TaskError(ValueError):
+    """A task key the env does not have: the caller's bug, raised (also through EnvPool)."""
+
+
+def normalize_action(text):
+    """The validity convention: strip, lowercase, collapse runs of whitespace to one space."""
+    return " ".join(str(text).strip().lower().split())
+
+
+def build_prompt(goal, history, obs, admissible, env_name="alfworld", response_format="think"):
+    """The user message for one step (one prompt per step, not a growing chat). `history` is the
+    list of earlier (observation, action) pairs of this episode; the caller passes only the last H.
+
+    response_format "think" (the paper's): reason in <think>...</think>, then one
+    <action>...</action>. "action" *(choice, for models too small to follow that)*: the admissible
+    actions are listed as <action>...</action> lines and the caller prefills the reply with
+    ACTION_PREFILL; a 135M model then names an admissible action ~80% of the time at temperature 0.4
+    (it follows neither
+    change alone: with a plain list it starts a bulleted list, without the prefill it copies)."""
+    if response_format not in RESPONSE_FORMATS:
+        raise ValueError(
+            f"unknown response_format {response_format!r}: use one of {RESPONSE_FORMATS}"
+        )
+    setting = {"alfworld": "a text-based household", "webshop": "a web shop"}.get(
+        env_name, "a text"
+    )
+    lines = [f"You are acting in {setting} environment. Your task: {goal}"]
+    if history:
+        lines.append(f"Your last {len(history)} step(s):")
+        for past_obs, past_action in history:
+            lines += [f"Observation: {past_obs.strip()}", f"Action: {past_action}"]
+    lines += [f"Current observation: {obs.strip()}", "Admissible actions:"]
+    if response_format == "think":
+        lines += [f"- {a}" for a in admissible]
+        lines += [
+            "First reason briefly inside <think>...</think>. Then give exactly one of the "
+            "admissible actions inside <action>...</action>."
+        ]
+    else:
+        lines += [f"{ACTION_PREFILL}{a}{ACTION_END}" for a in admissible]
+        lines += ["Reply with one admissible action as <action>...</action>."]
+    return "\n".join(lines)
+
+
+_ACTION_RE = re.compile(r"<action>(.*?)</action>", re.IGNORECASE | re.DOTALL)
+
+
+def parse_action(reply):
+    """The action of a model reply: the text of its last closed <action> tag, stripped, or None
+    when there is none (an empty tag counts as none). None is an invalid step: penalised, and the
+    episode goes on. In the "action" format the reply is ACTION_PREFILL + the generated text."""
+    found = _ACTION_RE.findall(reply or "")
+    if not found:
+        return None
+    action = " ".join(found[-1].split())
+    return action or None
+
+
+def import_alfworld():
+    """Import and return the `alfworld` package, undoing its side effect on ALFWORLD_DATA.
+
+    Trap: importing alfworld sets os.environ["ALFWORLD_DATA"] to an empty ~/.cache/alfworld when
+    the user has not set it, and the data lookup would then take that folder for the user's
+    choice of data (and find no games in it)."""
+    user_value = os.environ.get("ALFWORLD_DATA")
+    import alfworld
+
+    if user_value is None:
+        os.environ.pop("ALFWORLD_DATA", None)
+    return alfworld
+
+
+def fit_prompt(tok, goal, history, obs, admissible, env, response_format, limit):
+    """(prompt ids in the chat template, truncated) for one step, at most `limit` tokens. When too
+    long: drop the oldest history pairs, then shorten the observation's middle, then drop
+    admissible actions from the end, then keep the last `limit` tokens. Never a crash in the
+    model."""
+    prefill = ACTION_PREFILL if response_format == "action" else ""
+
+    def ids(hist, text, actions):
+        chat = [
+            {
+                "role": "user",
+                "content": build_prompt(goal, hist, text, actions, env, response_format),
+            }
+        ]
+        return tok(
+            tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) + prefill,
+            add_special_tokens=False,
+        ).input_ids
+
+    out = ids(history, obs, admissible)
+    if limit is None or len(out) <= limit:
+        return out, False
+    history = list(history)
+    while history and len(out) > limit:
+        history.pop(0)
+        out = ids(history, obs, admissible)
+    if len(out) > limit:  # keep the observation's head and tail, the longest that fits
+        lo, hi = 0, len(obs)
+        while lo < hi:
+            keep = (lo + hi + 1) // 2
+            text = obs[: keep // 2] + " [...] " + obs[len(obs) - keep // 2 :]
+            lo, hi = (keep, hi) if len(ids(history, text, admissible)) <= limit else (lo, keep - 1)
+        obs = obs[: lo // 2] + " [...] " + obs[len(obs) - lo // 2 :]
+        out = ids(history, obs, admissible)
+    admissible = list(admissible)
+    while len(out) > limit and len(admissible) > 1:
+        admissible.pop()
+        out = ids(history, obs, admissible)
+    return out[-limit:], True
+
 
 # ---------------------------------------------------------------------------------------------
 # ALFWorld on the real engine (docs/ALGORITHM.md "Environments"). The same path as ALFWorld's own
@@ -26,11 +170,12 @@ from environments.textenv import (ALFWORLD_DEFAULT_GAMES, ALFWORLD_SHORT_TYPE, A
 # AlfredInfos, with won and admissible commands requested. What we add: a per-process memo of
 # textworld's grammar parses (the speed-up), state keys, and the 10/0 reward.
 # ---------------------------------------------------------------------------------------------
-SPLITS = ("train", "valid_seen", "valid_unseen")
-DEFAULT_NUM_TRAIN, DEFAULT_NUM_EVAL = ALFWORLD_DEFAULT_GAMES   # generated default: ~25 s, once
+SPLITS = {"alfworld": ("train", "valid_seen", "valid_unseen"), "webshop": ("train", "test")}
+ALFWORLD_SPLITS = SPLITS["alfworld"]
+DEFAULT_NUM_TRAIN, DEFAULT_NUM_EVAL = ALFWORLD_DEFAULT_GAMES  # generated default: ~25 s, once
 STATE_KEYS = ("facts", "obs")
 BANNER = "-= Welcome to TextWorld, ALFRED! =-"
-NOTHING = "Nothing happens."                           # textworld's answer to a non-admissible command
+NOTHING = "Nothing happens."  # textworld's answer to a non-admissible command
 # Left out of the "facts" key: bookkeeping no precondition or goal reads (look/examine mark things
 # "checked"), and the negated "not_..." facts textworld keeps after a delete effect (they record
 # history: leaving a place twice is not a different world state).
@@ -48,14 +193,17 @@ def _install_textworld_speedups():
     the dicts is equivalent. bench/env_throughput.py checks the outputs against stock textworld.
     Process-wide and installed once; the stock path in another process is untouched."""
     from copy import deepcopy
+
     from textworld.envs.pddl import textgen
     from textworld.logic import Rule
+
     if getattr(textgen, "_tigpo_memo", False):
         return
     parse_symbols = textgen._parse_and_convert
     parse_query = Rule.parse_conjunctive_query.__func__
     symbols_cache = functools.lru_cache(maxsize=None)(
-        lambda text, rule_name: parse_symbols(text, rule_name=rule_name))
+        lambda text, rule_name: parse_symbols(text, rule_name=rule_name)
+    )
 
     def cached_symbols(text, rule_name, **kwargs):
         if kwargs.get("trace"):
@@ -66,8 +214,13 @@ def _install_textworld_speedups():
     Rule.parse_conjunctive_query = classmethod(functools.lru_cache(maxsize=None)(parse_query))
 
     def copy_context(context):
-        return {"state": context["state"], "facts": context["facts"], "variables": dict(context["variables"]),
-                "mapping": dict(context["mapping"]), "entity_infos": context["entity_infos"]}
+        return {
+            "state": context["state"],
+            "facts": context["facts"],
+            "variables": dict(context["variables"]),
+            "mapping": dict(context["mapping"]),
+            "entity_infos": context["entity_infos"],
+        }
 
     textgen.copy_context = copy_context
 
@@ -75,6 +228,7 @@ def _install_textworld_speedups():
     # K rollouts of one task in a group translate the same text again: memoise it too (its
     # result is only read). Trap: pddl2sas overwrites sys.argv, so put it back.
     import fast_downward
+
     pddl2sas = fast_downward.pddl2sas
 
     @functools.lru_cache(maxsize=64)
@@ -105,12 +259,17 @@ class AlfWorldGame:
 
     def __init__(self, gamefile, max_steps=50, state_key="facts"):
         import textworld
+
+        import_alfworld()  # first: a plain `import alfworld` sets ALFWORLD_DATA (see there)
         from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
+
         check_state_key(state_key)
         _install_textworld_speedups()
         self.gamefile, self.max_steps, self.state_key = gamefile, max_steps, state_key
         infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"])
-        self._tw = textworld.start(gamefile, infos, wrappers=[AlfredDemangler(shuffle=False), AlfredInfos])
+        self._tw = textworld.start(
+            gamefile, infos, wrappers=[AlfredDemangler(shuffle=False), AlfredInfos]
+        )
         self._state, self._steps, self.done = None, 0, True
 
     def load(self, gamefile):
@@ -125,7 +284,7 @@ class AlfWorldGame:
         return [a for a in self._state["admissible_commands"] if a != "help"]
 
     def _state_key(self, obs):
-        facts = self._state["_facts"]          # raw PDDL facts of the current world state
+        facts = self._state["_facts"]  # raw PDDL facts of the current world state
         if self.state_key == "facts":
             return _digest(sorted(str(f) for f in facts if not f.name.startswith(_NOT_STATE)))
         where = sorted(str(f.arguments[1].name) for f in facts if f.name == "atlocation")
@@ -138,8 +297,12 @@ class AlfWorldGame:
         obs = self._state["feedback"].replace(BANNER, "").strip()
         goal = obs.split("Your task is to:", 1)[-1].strip()
         self.admissible = self._admissible()
-        return obs, {"admissible": self.admissible, "state": self._state_key(obs), "goal": goal,
-                     "won": False}
+        return obs, {
+            "admissible": self.admissible,
+            "state": self._state_key(obs),
+            "goal": goal,
+            "won": False,
+        }
 
     def step(self, text):
         if self._state is None or self.done:
@@ -148,15 +311,19 @@ class AlfWorldGame:
         lookup = {normalize_action(a): a for a in self.admissible}
         command = lookup.get(normalize_action(text)) if text is not None else None
         if command is None:
-            obs = NOTHING   # what textworld answers; skipping its no-op step keeps the state exact
+            obs = NOTHING  # what textworld answers; skipping its no-op step keeps the state exact
         else:
             self._state, _, _ = self._tw.step(command)
             obs = self._state["feedback"].strip()
             self.admissible = self._admissible()
         won = bool(self._state["won"])
         self.done = won or self._steps >= self.max_steps
-        info = {"won": won, "valid": command is not None, "state": self._state_key(obs),
-                "admissible": self.admissible}
+        info = {
+            "won": won,
+            "valid": command is not None,
+            "state": self._state_key(obs),
+            "admissible": self.admissible,
+        }
         return obs, SUCCESS_REWARD if won else 0.0, self.done, info
 
     def close(self):
@@ -182,12 +349,20 @@ def task_types_of(value):
     types = tuple(t.strip() for t in value.split(",")) if isinstance(value, str) else tuple(value)
     unknown = sorted(set(types) - set(ALFWORLD_TASK_TYPES))
     if unknown or not types:
-        raise ValueError(f"unknown ALFWorld task types {unknown}: use some of {list(ALFWORLD_TASK_TYPES)}")
+        raise ValueError(
+            f"unknown ALFWorld task types {unknown}: use some of {list(ALFWORLD_TASK_TYPES)}"
+        )
     return tuple(t for t in ALFWORLD_TASK_TYPES if t in types)
 
 
-def resolve_alfworld_data(data_dir=None, seed=0, num_train=DEFAULT_NUM_TRAIN, num_eval=DEFAULT_NUM_EVAL,
-                          task_types=None, max_receptacles=None):
+def resolve_alfworld_data(
+    data_dir=None,
+    seed=0,
+    num_train=DEFAULT_NUM_TRAIN,
+    num_eval=DEFAULT_NUM_EVAL,
+    task_types=None,
+    max_receptacles=None,
+):
     """The json_2.1.1 folder to play: data_dir, else $ALFWORLD_DATA, else generated games in the
     user cache (made once, keyed by seed, counts, task types and scene size). A folder the user
     named but that holds no json_2.1.1 is an error, never a silent fallback."""
@@ -197,9 +372,11 @@ def resolve_alfworld_data(data_dir=None, seed=0, num_train=DEFAULT_NUM_TRAIN, nu
         for root in (os.path.join(given, "json_2.1.1"), given):
             if os.path.basename(root) == "json_2.1.1" and os.path.isdir(root):
                 return root
-        raise ValueError(f"ALFWorld data folder {given} has no json_2.1.1/ (from "
-                         f"{'data_dir' if data_dir else 'ALFWORLD_DATA'}): run `alfworld-download`, "
-                         f"or `python envs.py generate {given}`, or unset it to use generated games")
+        raise ValueError(
+            f"ALFWorld data folder {given} has no json_2.1.1/ (from "
+            f"{'data_dir' if data_dir else 'ALFWORLD_DATA'}): run `alfworld-download`, "
+            f"or `python envs.py generate {given}`, or unset it to use generated games"
+        )
     types = task_types_of(task_types)
     name = f"alfworld-{seed}-{num_train}-{num_eval}"
     if types != tuple(ALFWORLD_TASK_TYPES):
@@ -210,8 +387,11 @@ def resolve_alfworld_data(data_dir=None, seed=0, num_train=DEFAULT_NUM_TRAIN, nu
     root = os.path.join(target, "json_2.1.1")
     if not os.path.isdir(root):
         os.makedirs(_cache_dir(), exist_ok=True)
-        print(f"tigpo: no ALFWORLD_DATA; generating {num_train}+{num_eval}+{num_eval} ALFWorld "
-              f"games once into {target}", file=sys.stderr)
+        print(
+            f"tigpo: no ALFWORLD_DATA; generating {num_train}+{num_eval}+{num_eval} ALFWorld "
+            f"games once into {target}",
+            file=sys.stderr,
+        )
         tmp = tempfile.mkdtemp(prefix="alfworld-tmp-", dir=_cache_dir())
         try:
             generate_games(tmp, num_train, num_eval, seed, types, max_receptacles)
@@ -219,7 +399,7 @@ def resolve_alfworld_data(data_dir=None, seed=0, num_train=DEFAULT_NUM_TRAIN, nu
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         try:
-            os.rename(tmp, target)          # atomic: a concurrent generator may have won the race
+            os.rename(tmp, target)  # atomic: a concurrent generator may have won the race
         except OSError:
             if not os.path.isdir(root):
                 raise
@@ -233,7 +413,7 @@ def scene_size(pddl_problem):
     return len(re.findall(r"\(receptacleType [^?\s]", pddl_problem))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def alfworld_tasks(root, split, task_types=None, max_receptacles=None):
     """Sorted task keys ("<split>/<folder>/<trial>/game.tw-pddl") of a split, filtered as
     AlfredTWEnv filters (the six task types, no movable/sliced variants, no game marked
@@ -241,9 +421,11 @@ def alfworld_tasks(root, split, task_types=None, max_receptacles=None):
     types = {ALFWORLD_TASK_TYPES[t] for t in task_types_of(task_types)}
     split_dir = os.path.join(root, split)
     if not os.path.isdir(split_dir):
-        raise ValueError(f"ALFWorld data folder {root} has no {split}/ split (have "
-                         f"{sorted(os.listdir(root))}): pass split= one of {SPLITS}, or regenerate "
-                         f"with `python envs.py generate`")
+        raise ValueError(
+            f"ALFWorld data folder {root} has no {split}/ split (have "
+            f"{sorted(os.listdir(root))}): pass split= one of {ALFWORLD_SPLITS}, or regenerate "
+            f"with `python envs.py generate`"
+        )
     keys = []
     for folder, _, files in os.walk(split_dir):
         if "traj_data.json" not in files or "game.tw-pddl" not in files:
@@ -255,16 +437,21 @@ def alfworld_tasks(root, split, task_types=None, max_receptacles=None):
                 continue
         with open(os.path.join(folder, "game.tw-pddl")) as f:
             game = json.load(f)
-        if game.get("solvable") is False:   # (AlfredTWEnv also drops games without the key)
+        if game.get("solvable") is False:  # (AlfredTWEnv also drops games without the key)
             continue
         if max_receptacles and scene_size(game.get("pddl_problem", "")) > max_receptacles:
             continue
-        keys.append(os.path.relpath(os.path.join(folder, "game.tw-pddl"), root).replace(os.sep, "/"))
+        keys.append(
+            os.path.relpath(os.path.join(folder, "game.tw-pddl"), root).replace(os.sep, "/")
+        )
     if not keys:
-        raise ValueError(f"ALFWorld data folder {split_dir} holds no solvable games of the task "
-                         f"types {task_types_of(task_types)} in scenes of at most {max_receptacles or 'any'} "
-                         f"receptacles: widen the selection (train.py: --task-types all --max-receptacles 0), or "
-                         f"re-run `alfworld-download` / `python envs.py generate`")
+        raise ValueError(
+            f"ALFWorld data folder {split_dir} holds no solvable games of the task "
+            f"types {task_types_of(task_types)} in scenes of at most {max_receptacles or 'any'} "
+            "receptacles: widen the selection (train.py: --task-types all --max-receptacles 0), "
+            "or "
+            f"re-run `alfworld-download` / `python envs.py generate`"
+        )
     return tuple(sorted(keys))
 
 
@@ -281,24 +468,37 @@ def eval_subset(tasks, n):
     by_type = {}
     for t in sorted(tasks):
         by_type.setdefault(task_type_of(t) if "/" in t else "all", []).append(t)
-    rounds = [t for k in range(len(tasks)) for ts in by_type.values() if k < len(ts) for t in [ts[k]]]
+    rounds = [
+        t for k in range(len(tasks)) for ts in by_type.values() if k < len(ts) for t in [ts[k]]
+    ]
     return rounds[:n]
 
 
 class AlfWorldEnv:
     """The env of make_env("alfworld"): a split of games, one episode at a time."""
 
-    def __init__(self, split="train", data_dir=None, max_steps=50, state_key="facts", seed=0,
-                 task_types=None, max_receptacles=None, num_train=DEFAULT_NUM_TRAIN,
-                 num_eval=DEFAULT_NUM_EVAL):
-        if split not in SPLITS:
-            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    def __init__(
+        self,
+        split="train",
+        data_dir=None,
+        max_steps=50,
+        state_key="facts",
+        seed=0,
+        task_types=None,
+        max_receptacles=None,
+        num_train=DEFAULT_NUM_TRAIN,
+        num_eval=DEFAULT_NUM_EVAL,
+    ):
+        if split not in ALFWORLD_SPLITS:
+            raise ValueError(f"split must be one of {ALFWORLD_SPLITS}, got {split!r}")
         check_state_key(state_key)
         self.types, self.max_receptacles = task_types_of(task_types), max_receptacles
-        self.root = resolve_alfworld_data(data_dir, seed, num_train, num_eval, self.types, max_receptacles)
+        self.root = resolve_alfworld_data(
+            data_dir, seed, num_train, num_eval, self.types, max_receptacles
+        )
         self.split, self.max_steps, self.state_key = split, max_steps, state_key
         if not os.path.isdir(os.path.join(self.root, split)):
-            alfworld_tasks(self.root, split)   # raises the error that names the folder
+            alfworld_tasks(self.root, split)  # raises the error that names the folder
         self._game, self._task = None, None
 
     @property
@@ -310,10 +510,12 @@ class AlfWorldEnv:
     def reset(self, task):
         path = os.path.join(self.root, task)
         if not task.endswith("game.tw-pddl") or ".." in task.split("/") or not os.path.isfile(path):
-            raise TaskError(f"unknown ALFWorld task {task!r} under {self.root}: pick one of env.tasks")
+            raise TaskError(
+                f"unknown ALFWorld task {task!r} under {self.root}: pick one of env.tasks"
+            )
         if self._game is None:
             self._game = AlfWorldGame(path, self.max_steps, self.state_key)
-        elif task != self._task:   # loading translates the PDDL twice: skipped for the same task
+        elif task != self._task:  # loading translates the PDDL twice: skipped for the same task
             self._game.load(path)
         self._task = task
         obs, info = self._game.reset()
@@ -338,27 +540,44 @@ def make_env(name, **kwargs):
     if name == "alfworld":
         return AlfWorldEnv(**kwargs)
     if name == "webshop":
-        from environments import webshop  # lazy: needs `requests` and a running WebShop server
+        from extras import webshop  # imported only for WebShop runs
+
         return webshop.WebShopEnv(**kwargs)
     raise ValueError(f"unknown env {name!r}: choose 'alfworld' or 'webshop'")
 
 
-def generate_games(out_dir, num_train=DEFAULT_NUM_TRAIN, num_eval=DEFAULT_NUM_EVAL, seed=0,
-                   task_types=tuple(ALFWORLD_TASK_TYPES), max_receptacles=None, verify=True,
-                   progress=True):
+def generate_games(
+    out_dir,
+    num_train=DEFAULT_NUM_TRAIN,
+    num_eval=DEFAULT_NUM_EVAL,
+    seed=0,
+    task_types=tuple(ALFWORLD_TASK_TYPES),
+    max_receptacles=None,
+    verify=True,
+    progress=True,
+):
     """Generate ALFWorld games offline into out_dir/json_2.1.1 (alfworld_gen.generate) with a
     progress bar, and play each game's walkthrough through AlfWorldGame: every step must be
     admissible and the last one must win (the solvability check; the planner is never called).
     Returns the written game paths."""
-    written, player = [], None   # one env replays every walkthrough (see AlfWorldGame.load)
+    from extras import alfworld_gen  # imported only when games must be made
+
+    written, player = [], None  # one env replays every walkthrough (see AlfWorldGame.load)
     total = num_train + 2 * num_eval
-    bar = tqdm(total=total, desc="generating games", unit="game", disable=not progress,
-               dynamic_ncols=True, leave=False)
+    bar = tqdm(
+        total=total,
+        desc="generating games",
+        unit="game",
+        disable=not progress,
+        dynamic_ncols=True,
+        leave=False,
+    )
     try:
-        for split, path, plan in alfworld_gen.generate(out_dir, num_train, num_eval, seed, task_types,
-                                                         max_receptacles):
+        for _, path, walkthrough in alfworld_gen.generate(
+            out_dir, num_train, num_eval, seed, task_types, max_receptacles
+        ):
             if verify:
-                player = _play_walkthrough(player, path, plan)
+                player = _play_walkthrough(player, path, walkthrough)
             written.append(path)
             bar.update()
     finally:
@@ -368,19 +587,20 @@ def generate_games(out_dir, num_train=DEFAULT_NUM_TRAIN, num_eval=DEFAULT_NUM_EV
     return written
 
 
-def _play_walkthrough(player, path, plan):
+def _play_walkthrough(player, path, walkthrough):
     """Play a generated game's walkthrough: every step admissible, the last one wins."""
     if player is None:
         player = AlfWorldGame(path)
     else:
         player.load(path)
-    player.max_steps = len(plan) + 1
+    player.max_steps = len(walkthrough) + 1
     player.reset()
-    for i, command in enumerate(plan):
+    for i, command in enumerate(walkthrough):
         _, _, done, info = player.step(command)
         if not info["valid"]:
-            raise RuntimeError(f"generator bug: walkthrough step {i} {command!r} is not "
-                               f"admissible in {path}")
+            raise RuntimeError(
+                f"generator bug: walkthrough step {i} {command!r} is not admissible in {path}"
+            )
     if not info["won"]:
         raise RuntimeError(f"generator bug: walkthrough does not win {path}")
     return player
@@ -389,34 +609,60 @@ def _play_walkthrough(player, path, plan):
 def generate_main(argv=None):
     """`python envs.py generate OUT_DIR ...`: generate a game set for ALFWORLD_DATA / --data-dir."""
     import argparse
-    parser = argparse.ArgumentParser(prog="python envs.py generate", description=(
-        "Generate ALFWorld games offline (official json_2.1.1 layout), each with a walkthrough "
-        "checked to win. Point ALFWORLD_DATA (or train.py --data-dir) at OUT_DIR."))
-    parser.add_argument("out_dir", help="folder that receives json_2.1.1/{train,valid_seen,valid_unseen}")
+
+    parser = argparse.ArgumentParser(
+        prog="python envs.py generate",
+        description=(
+            "Generate ALFWorld games offline (official json_2.1.1 layout), each with a walkthrough "
+            "checked to win. Point ALFWORLD_DATA (or train.py --data-dir) at OUT_DIR."
+        ),
+    )
+    parser.add_argument(
+        "out_dir", help="folder that receives json_2.1.1/{train,valid_seen,valid_unseen}"
+    )
     parser.add_argument("--num-train", type=int, default=DEFAULT_NUM_TRAIN, help="games in train")
-    parser.add_argument("--num-eval", type=int, default=DEFAULT_NUM_EVAL,
-                        help="games in each of valid_seen, valid_unseen")
-    parser.add_argument("--seed", type=int, default=0, help="generation seed (same seed, same games)")
-    parser.add_argument("--task-types", default=",".join(ALFWORLD_TASK_TYPES),
-                        help="comma-separated task types, taken in turn (default: all six)")
-    parser.add_argument("--max-receptacles", type=int, default=None,
-                        help="only scenes with at most this many receptacles (default: any)")
+    parser.add_argument(
+        "--num-eval",
+        type=int,
+        default=DEFAULT_NUM_EVAL,
+        help="games in each of valid_seen, valid_unseen",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="generation seed (same seed, same games)"
+    )
+    parser.add_argument(
+        "--task-types",
+        default=",".join(ALFWORLD_TASK_TYPES),
+        help="comma-separated task types, taken in turn (default: all six)",
+    )
+    parser.add_argument(
+        "--max-receptacles",
+        type=int,
+        default=None,
+        help="only scenes with at most this many receptacles (default: any)",
+    )
     parser.add_argument("--no-verify", action="store_true", help="skip playing each walkthrough")
     args = parser.parse_args(argv)
     try:
-        paths = generate_games(args.out_dir, args.num_train, args.num_eval, args.seed,
-                               tuple(args.task_types.split(",")), args.max_receptacles,
-                               verify=not args.no_verify)
+        paths = generate_games(
+            args.out_dir,
+            args.num_train,
+            args.num_eval,
+            args.seed,
+            tuple(args.task_types.split(",")),
+            args.max_receptacles,
+            verify=not args.no_verify,
+        )
     except ValueError as e:
         parser.error(str(e))
     print(f"wrote {len(paths)} games under {os.path.join(args.out_dir, 'json_2.1.1')}")
 
 
 # ---------------------------------------------------------------------------------------------
-# Parallel env pool (docs/ALGORITHM.md "Parallel envs"). Each worker is a plain `python envs.py worker`
-# subprocess speaking one JSON line per request on its stdin/stdout: no fork of a parent that
-# holds torch threads, no re-import of the trainer's __main__ (multiprocessing's spawn would run
-# a top-level train.py script again). Slots are dealt to workers in contiguous blocks, so the K
+# Parallel env pool (docs/ALGORITHM.md "Parallel envs"). Each worker is a plain `python envs.py
+# worker` subprocess speaking one JSON line per request on its stdin/stdout: no fork of a parent
+# that holds torch threads, no re-import of the trainer's __main__ (multiprocessing's spawn would
+# run a top-level train.py script again). Slots are dealt to workers in contiguous blocks, so the K
 # rollouts of one task (adjacent in a batch) share a worker and its memo of the translated game;
 # every env is deterministic on its own, so results do not depend on num_workers.
 # ---------------------------------------------------------------------------------------------
@@ -425,8 +671,9 @@ class EnvPool:
     step(actions) -> (obs, rewards, dones, infos), actions aligned with the last reset. An action
     None means "do not step this env" (it is done or not wanted): that slot returns obs None,
     reward 0.0, its last done flag, info {}. A crashed game or a dead worker ends its episodes as
-    failures (reward 0.0, done True, info["crash"] says why); a dead worker is restarted and the batch goes on.
-    A worker that does not answer within worker_timeout seconds (a hung game) is killed and
+    failures (reward 0.0, done True, info["crash"] says why); a dead worker is restarted and the
+    batch goes on. A worker that does not answer within worker_timeout seconds (a hung game) is
+    killed and
     counted as dead."""
 
     def __init__(self, name, num_workers=2, worker_timeout=600.0, **make_env_kwargs):
@@ -435,15 +682,22 @@ class EnvPool:
         if name == "alfworld":
             # resolve (and, the first time, generate) the data once here, not in every worker
             kw = make_env_kwargs
-            make_env_kwargs["data_dir"] = os.path.dirname(resolve_alfworld_data(
-                kw.get("data_dir"), kw.get("seed", 0), kw.get("num_train", DEFAULT_NUM_TRAIN),
-                kw.get("num_eval", DEFAULT_NUM_EVAL), kw.get("task_types"), kw.get("max_receptacles")))
+            make_env_kwargs["data_dir"] = os.path.dirname(
+                resolve_alfworld_data(
+                    kw.get("data_dir"),
+                    kw.get("seed", 0),
+                    kw.get("num_train", DEFAULT_NUM_TRAIN),
+                    kw.get("num_eval", DEFAULT_NUM_EVAL),
+                    kw.get("task_types"),
+                    kw.get("max_receptacles"),
+                )
+            )
         elif name != "webshop":
             make_env(name)  # raises the ValueError naming the choices
         self.name, self.kwargs, self.num_workers = name, make_env_kwargs, num_workers
         self.worker_timeout = worker_timeout
         self._procs = [None] * num_workers
-        self._dones, self._owner = [], []      # per slot of the last reset: done flag, worker
+        self._dones, self._owner = [], []  # per slot of the last reset: done flag, worker
         # runs on close(), when the pool is garbage-collected, and at interpreter exit
         self._finalizer = weakref.finalize(self, EnvPool._kill_all, self._procs)
 
@@ -452,9 +706,16 @@ class EnvPool:
         return [p.pid if p is not None and p.poll() is None else None for p in self._procs]
 
     def _start(self, w):
-        cmd = [sys.executable, os.path.abspath(__file__), "worker", self.name, json.dumps(self.kwargs)]
-        self._procs[w] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                          text=True, bufsize=1)
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "worker",
+            self.name,
+            json.dumps(self.kwargs),
+        ]
+        self._procs[w] = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+        )
 
     def _send(self, w, msg):
         """Send one request; False when the worker is dead (it is restarted on the next reset)."""
@@ -495,8 +756,10 @@ class EnvPool:
             if self._procs[w] is None or self._procs[w].poll() is not None:
                 self._start(w)
         self._owner = [j * self.num_workers // max(len(tasks), 1) for j in range(len(tasks))]
-        requests = {w: {"cmd": "reset", "tasks": {j: t for j, t in enumerate(tasks) if self._owner[j] == w}}
-                    for w in range(self.num_workers)}
+        requests = {
+            w: {"cmd": "reset", "tasks": {j: t for j, t in enumerate(tasks) if self._owner[j] == w}}
+            for w in range(self.num_workers)
+        }
         replies = self._round(requests)
         obs, infos = [None] * len(tasks), [None] * len(tasks)
         for w, reply in replies.items():
@@ -504,7 +767,10 @@ class EnvPool:
                 raise TaskError(f"EnvPool worker {w}: {reply['fatal']}")
             for j in requests[w]["tasks"]:
                 if reply is None:
-                    obs[j], infos[j] = "", {"crash": f"env worker {w} died or hung during reset", "won": False}
+                    obs[j], infos[j] = (
+                        "",
+                        {"crash": f"env worker {w} died or hung during reset", "won": False},
+                    )
                 else:
                     obs[j], infos[j] = reply["results"][str(j)]
         self._dones = [bool(info.get("crash")) for info in infos]
@@ -513,21 +779,28 @@ class EnvPool:
     def step(self, actions):
         actions = list(actions)
         if len(actions) != len(self._dones):
-            raise ValueError(f"EnvPool.step got {len(actions)} actions for {len(self._dones)} envs "
-                             f"of the last reset")
+            raise ValueError(
+                f"EnvPool.step got {len(actions)} actions for {len(self._dones)} envs "
+                f"of the last reset"
+            )
         requests = {}
         for j, action in enumerate(actions):
             if action is not None and not self._dones[j]:
-                requests.setdefault(self._owner[j], {"cmd": "step", "actions": {}})["actions"][j] = action
+                requests.setdefault(self._owner[j], {"cmd": "step", "actions": {}})["actions"][
+                    j
+                ] = action
         obs, rewards = [None] * len(actions), [0.0] * len(actions)
         dones, infos = list(self._dones), [{} for _ in actions]
         for w, reply in self._round(requests).items():
             for j in requests[w]["actions"]:
                 if reply is None:
                     obs[j], dones[j] = "", True
-                    infos[j] = {"crash": f"env worker {w} died or hung (no reply in {self.worker_timeout:g} s); "
-                                         f"episode ended as a failure",
-                                "won": False, "valid": False}
+                    infos[j] = {
+                        "crash": f"env worker {w} died or hung (no reply in "
+                        f"{self.worker_timeout:g} s); episode ended as a failure",
+                        "won": False,
+                        "valid": False,
+                    }
                 else:
                     obs[j], rewards[j], dones[j], infos[j] = reply["results"][str(j)]
         self._dones = dones
@@ -547,7 +820,7 @@ class EnvPool:
     def _kill_all(procs):
         for i, proc in enumerate(procs):
             if proc is not None and proc.poll() is None:
-                try:   # ask first, so the worker closes its games; kill if it does not exit
+                try:  # ask first, so the worker closes its games; kill if it does not exit
                     proc.stdin.write(json.dumps({"cmd": "close"}) + "\n")
                     proc.stdin.flush()
                     proc.wait(timeout=5)
@@ -566,7 +839,7 @@ class _Fatal(Exception):
 
 def _worker(name, kwargs):
     """The loop of one pool worker. A game that raises ends only its own episode (info["crash"])."""
-    out = os.fdopen(os.dup(1), "w")   # protocol channel; anything printed goes to stderr instead
+    out = os.fdopen(os.dup(1), "w")  # protocol channel; anything printed goes to stderr instead
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     envs = {}
@@ -578,26 +851,34 @@ def _worker(name, kwargs):
         try:
             if msg["cmd"] == "reset":
                 for j in [j for j in envs if j not in msg["tasks"]]:
-                    envs.pop(j).close()          # a slot now owned by another worker
+                    envs.pop(j).close()  # a slot now owned by another worker
                 for j, task in msg["tasks"].items():
                     if j not in envs:
                         try:
                             envs[j] = make_env(name, **kwargs)
-                        except Exception as e:   # a bad configuration is the caller's bug: fail loudly
-                            raise _Fatal(f"make_env({name!r}) failed: {type(e).__name__}: {e}") from e
+                        except (
+                            Exception
+                        ) as e:  # a bad configuration is the caller's bug: fail loudly
+                            raise _Fatal(
+                                f"make_env({name!r}) failed: {type(e).__name__}: {e}"
+                            ) from e
                     try:
                         results[j] = envs[j].reset(task)
-                    except TaskError as e:       # so is an unknown task key
+                    except TaskError as e:  # so is an unknown task key
                         raise _Fatal(str(e)) from e
-                    except Exception as e:       # a game that crashes: only this episode fails
+                    except Exception as e:  # a game that crashes: only this episode fails
                         results[j] = ("", {"crash": f"{type(e).__name__}: {e}", "won": False})
             else:
                 for j, action in msg["actions"].items():
                     try:
                         results[j] = envs[j].step(action)
-                    except Exception as e:       # same: the episode ends as a failure
-                        results[j] = ("", 0.0, True, {"crash": f"{type(e).__name__}: {e}",
-                                                      "won": False, "valid": False})
+                    except Exception as e:  # same: the episode ends as a failure
+                        results[j] = (
+                            "",
+                            0.0,
+                            True,
+                            {"crash": f"{type(e).__name__}: {e}", "won": False, "valid": False},
+                        )
             reply = {"results": results}
         except _Fatal as e:
             reply = {"fatal": str(e)}
@@ -607,11 +888,20 @@ def _worker(name, kwargs):
         env.close()
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["worker"]:
-        _worker(sys.argv[2], json.loads(sys.argv[3]))
-    elif sys.argv[1:2] == ["generate"]:
-        generate_main(sys.argv[2:])
+def main(argv):
+    if argv[:1] == ["worker"]:
+        _worker(argv[1], json.loads(argv[2]))
+    elif argv[:1] == ["generate"]:
+        generate_main(argv[1:])
     else:
         print("usage: python envs.py generate --help", file=sys.stderr)
         sys.exit(2)
+
+
+if __name__ == "__main__":
+    # Run as the module `envs`, not as __main__: extras/webshop.py imports envs, and a second copy
+    # of this file would have a second TaskError that the worker loop's `except TaskError` misses.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import envs
+
+    envs.main(sys.argv[1:])

@@ -11,7 +11,9 @@ as an env makes them.
 
     python bench/core_overhead.py [--reps 40] [--seed 0]
 """
+
 import argparse
+import functools
 import gc
 import hashlib
 import random
@@ -21,7 +23,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 import tigpo  # noqa: E402
 
 NUM_TASKS, NUM_STATES, NUM_ACTIONS = 200, 150, 5
@@ -49,11 +51,12 @@ def rollout_group(world, task, rng, kind="explore"):
             ok = rng.random() < 0.9
             if ok:
                 s = table[s][rng.randrange(NUM_ACTIONS)]
-            states.append(keys[s][:8] + keys[s][8:])   # a fresh str per step, as an env makes
+            states.append(keys[s][:8] + keys[s][8:])  # a fresh str per step, as an env makes
             valid.append(ok)
         won = rng.random() < 0.25
-        trajs.append({"states": states, "valid": valid, "score": 10.0 if won else 0.0,
-                      "success": won})
+        trajs.append(
+            {"states": states, "valid": valid, "score": 10.0 if won else 0.0, "success": won}
+        )
     group = {"task": task, "kind": kind, "trajs": trajs}
     if kind == "revisit":
         group["ref_scores"] = [rng.choice([0.0, 10.0]) for _ in range(K)]
@@ -76,7 +79,7 @@ def timed(fn):
     also counts the time other processes hold the core, and a 7 ms pass is preempted far more
     often than a 0.6 ms one, which inflates the ratio."""
     gc.collect()
-    gc.disable()   # as timeit does: a collection would bill one pass for every pass's garbage
+    gc.disable()  # as timeit does: a collection would bill one pass for every pass's garbage
     cpu, wall = time.process_time(), time.perf_counter()
     fn()
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
@@ -86,8 +89,9 @@ def timed(fn):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--reps", type=int, default=40,
-                        help="timed batches (best and median reported)")
+    parser.add_argument(
+        "--reps", type=int, default=40, help="timed batches (best and median reported)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng = random.Random(args.seed)
@@ -95,12 +99,14 @@ def main():
     tasks = list(world)
 
     memory, built = tigpo.GraphMemory(), time.perf_counter()
-    while memory.stats()["edges"] < MIN_EDGES:   # one exploration group per task per round
+    while memory.stats()["edges"] < MIN_EDGES:  # one exploration group per task per round
         memory.add([rollout_group(world, task, rng) for task in tasks])
     built = time.perf_counter() - built
     stats = memory.stats()
-    print(f"memory: {stats['tasks']} tasks, {stats['nodes']:,} nodes, {stats['edges']:,} edges "
-          f"(built in {built:.1f} s)")
+    print(
+        f"memory: {stats['tasks']} tasks, {stats['nodes']:,} nodes, {stats['edges']:,} edges "
+        f"(built in {built:.1f} s)"
+    )
 
     # Bytes per edge: what the memory's own containers allocate when loaded from a state dict
     # (the state-key strings are shared with the rollouts and not counted).
@@ -115,37 +121,49 @@ def main():
     rows = {name: [] for name in ("bare", "tigpo+add", "tigpo", "add", "graphgpo", "gigpo", "grpo")}
     for _ in range(args.reps):
         picks = rng.sample(tasks, B)
-        batch = ([rollout_group(world, t, rng, "revisit") for t in picks[:B_REVISIT]]
-                 + [rollout_group(world, t, rng) for t in picks[B_REVISIT:]])
-        rows["bare"].append(timed(lambda: bare_pass(batch)))
+        batch = [rollout_group(world, t, rng, "revisit") for t in picks[:B_REVISIT]] + [
+            rollout_group(world, t, rng) for t in picks[B_REVISIT:]
+        ]
+        rows["bare"].append(timed(functools.partial(bare_pass, batch)))
         for algo in ("graphgpo", "gigpo", "grpo"):
-            rows[algo].append(timed(lambda: tigpo.compute_advantages(batch, algo)))
+            rows[algo].append(timed(functools.partial(tigpo.compute_advantages, batch, algo)))
         # The timed update, as train.py runs it: advantages, then the memory write (E10) of a
         # batch the memory has not seen yet, so the memory grows a little from batch to batch.
-        rows["tigpo"].append(timed(lambda: tigpo.compute_advantages(batch, "tigpo", memory)))
-        rows["add"].append(timed(lambda: memory.add(batch)))
+        score = functools.partial(tigpo.compute_advantages, batch, "tigpo", memory)
+        rows["tigpo"].append(timed(score))
+        rows["add"].append(timed(functools.partial(memory.add, batch)))
         rows["tigpo+add"].append(tuple(map(sum, zip(rows["tigpo"][-1], rows["add"][-1]))))
 
     n_steps = B * K * T
-    print(f"batch: B={B} ({B_REVISIT} revisit), K={K}, T={T}: {n_steps:,} transitions; "
-          f"{args.reps} batches; best and median per pass")
-    print(f"{'pass':<11}{'cpu best':>9}{'median':>8}{'x bare':>8}{'us/step':>9}"
-          f"{'wall best':>11}{'median':>8}{'x bare':>8}")
+    print(
+        f"batch: B={B} ({B_REVISIT} revisit), K={K}, T={T}: {n_steps:,} transitions; "
+        f"{args.reps} batches; best and median per pass"
+    )
+    print(
+        f"{'pass':<11}{'cpu best':>9}{'median':>8}{'x bare':>8}{'us/step':>9}"
+        f"{'wall best':>11}{'median':>8}{'x bare':>8}"
+    )
     summary = {}
     for name, times in rows.items():
         cpu, wall = zip(*times)
         summary[name] = [f(c) for c in (cpu, wall) for f in (min, statistics.median)]
     bare = summary["bare"]
     for name, (cpu_best, cpu_med, wall_best, wall_med) in summary.items():
-        print(f"{name:<11}{cpu_best:9.2f}{cpu_med:8.2f}{cpu_best / bare[0]:8.2f}"
-              f"{cpu_best * 1e3 / n_steps:9.3f}{wall_best:11.2f}{wall_med:8.2f}"
-              f"{wall_best / bare[2]:8.2f}")
+        print(
+            f"{name:<11}{cpu_best:9.2f}{cpu_med:8.2f}{cpu_best / bare[0]:8.2f}"
+            f"{cpu_best * 1e3 / n_steps:9.3f}{wall_best:11.2f}{wall_med:8.2f}"
+            f"{wall_best / bare[2]:8.2f}"
+        )
     ratio = [a / b for a, b in zip(summary["tigpo+add"], bare)]
-    print(f"overhead ratio (tigpo advantages + memory.add) / bare pass (target <= 10): "
-          f"cpu {ratio[0]:.2f} best, {ratio[1]:.2f} median; "
-          f"wall {ratio[2]:.2f} best, {ratio[3]:.2f} median")
-    print(f"memory containers: {container_bytes / 2**20:.1f} MiB, "
-          f"{container_bytes / stats['edges']:.0f} bytes per edge (state strings not counted)")
+    print(
+        f"overhead ratio (tigpo advantages + memory.add) / bare pass (target <= 10): "
+        f"cpu {ratio[0]:.2f} best, {ratio[1]:.2f} median; "
+        f"wall {ratio[2]:.2f} best, {ratio[3]:.2f} median"
+    )
+    print(
+        f"memory containers: {container_bytes / 2**20:.1f} MiB, "
+        f"{container_bytes / stats['edges']:.0f} bytes per edge (state strings not counted)"
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""bench/credit.py: a CPU credit-assignment benchmark: GRPO, GiGPO, GraphGPO, TIGPO and
-TIGPO's ablations (docs/ALGORITHM.md E1-E11) trained on a synthetic long-horizon task family with a tabular
-softmax policy, using the SAME tigpo.compute_advantages / GraphMemory / RevisitScheduler as train.py.
+"""bench/credit.py: a CPU credit-assignment benchmark: GRPO, GiGPO, GraphGPO, TIGPO and TIGPO's
+ablations (docs/ALGORITHM.md E1-E11) trained on a synthetic long-horizon task family with a
+tabular softmax policy, using the SAME tigpo.compute_advantages / GraphMemory / RevisitScheduler
+as train.py.
 
     python bench/credit.py --quick     # < 2 min: one row per method, the K=4 column of the table
     python bench/credit.py             # full table, K in {2, 4, 8} x 5 seeds, and bench/credit.png
@@ -9,10 +10,11 @@ What it isolates: only the advantage estimator and the schedule change between m
 policy is a table of logits per (task, state); there is no language model, no generalisation
 across tasks, no PPO clipping (one on-policy gradient step per update, so the ratio of E12 is 1).
 """
+
 import argparse
-import json
 import bisect
 import itertools
+import json
 import math
 import os
 import random
@@ -31,34 +33,34 @@ GOAL, DEAD = -1, -2  # terminal pseudo-states; real states are 0..num_states-1
 @dataclass(frozen=True)
 class Config:
     # task family (the environment, identical for every method)
-    num_tasks: int = 32          # train set: tens of tasks, so each task recurs and memory can matter
-    min_length: int = 15         # shortest path start -> goal is min_length..max_length steps
+    num_tasks: int = 32  # train set: tens of tasks, so each task recurs and memory can matter
+    min_length: int = 15  # shortest path start -> goal is min_length..max_length steps
     max_length: int = 18
-    num_actions: int = 4         # actions per state
-    max_steps: int = 50          # episode horizon (the paper's ALFWorld limit)
-    detour_w: float = 0.50       # role weights of each non-forward action of a corridor state:
-    back_w: float = 0.10         #   detour (side room that rejoins), back (loop to an earlier
-    invalid_w: float = 0.40      #   state), invalid ("nothing happens", penalised), dead end
-    dead_end_w: float = 0.02     #   (the episode ends as a failure)
+    num_actions: int = 4  # actions per state
+    max_steps: int = 50  # episode horizon (the paper's ALFWorld limit)
+    detour_w: float = 0.50  # role weights of each non-forward action of a corridor state:
+    back_w: float = 0.10  #   detour (side room that rejoins), back (loop to an earlier
+    invalid_w: float = 0.40  #   state), invalid ("nothing happens", penalised), dead end
+    dead_end_w: float = 0.02  #   (the episode ends as a failure)
     # training (identical for every method)
-    rollouts: int = 32           # B*K rollouts per update for every method and every K
+    rollouts: int = 32  # B*K rollouts per update for every method and every K
     updates: int = 150
-    lr: float = 0.1              # SGD step on the logits per (step, advantage) pair
-    revisit_frac: float = 0.5    # TIGPO: share of the B group slots that may be revisits (paper 8/16)
-    delay: int = 4               # TIGPO: revisit delay Delta in updates (paper 10 over 250 updates)
-    graph_gamma: float = 0.5     # gamma_g of E6, for graphgpo and every tigpo variant
+    lr: float = 0.1  # SGD step on the logits per (step, advantage) pair
+    revisit_frac: float = 0.5  # TIGPO: share of the B group slots that may be revisits (paper 8/16)
+    delay: int = 4  # TIGPO: revisit delay Delta in updates (paper 10 over 250 updates)
+    graph_gamma: float = 0.5  # gamma_g of E6, for graphgpo and every tigpo variant
     eval_every: int = 10
     success_reward: float = 10.0
 
 
 # The methods compared. Baselines run the same scheduler with 0 revisit slots (exploration only).
 METHODS = {
-    "grpo":             dict(algo="grpo", memory=False, revisit=False, cross_temporal=True),
-    "gigpo":            dict(algo="gigpo", memory=False, revisit=False, cross_temporal=True),
-    "graphgpo":         dict(algo="graphgpo", memory=False, revisit=False, cross_temporal=True),
-    "tigpo":            dict(algo="tigpo", memory=True, revisit=True, cross_temporal=True),
+    "grpo": dict(algo="grpo", memory=False, revisit=False, cross_temporal=True),
+    "gigpo": dict(algo="gigpo", memory=False, revisit=False, cross_temporal=True),
+    "graphgpo": dict(algo="graphgpo", memory=False, revisit=False, cross_temporal=True),
+    "tigpo": dict(algo="tigpo", memory=True, revisit=True, cross_temporal=True),
     "tigpo-graph-only": dict(algo="tigpo", memory=True, revisit=False, cross_temporal=True),
-    "tigpo-no-ct":      dict(algo="tigpo", memory=True, revisit=True, cross_temporal=False),
+    "tigpo-no-ct": dict(algo="tigpo", memory=True, revisit=True, cross_temporal=False),
 }
 
 
@@ -71,12 +73,15 @@ METHODS = {
 # of a task walk the same corridor, so their graphs merge. Action order is shuffled per state.
 # ---------------------------------------------------------------------------------------------
 
+
 def make_task(rng, cfg):
     """-> {"next": [[next state per action] per state], "valid": [[bool]...], "names": [str]}."""
     length = rng.randint(cfg.min_length, cfg.max_length)
     nxt, valid = [None] * length, [None] * length
-    roles, weights = ("detour", "back", "invalid", "dead"), (cfg.detour_w, cfg.back_w,
-                                                            cfg.invalid_w, cfg.dead_end_w)
+    roles, weights = (
+        ("detour", "back", "invalid", "dead"),
+        (cfg.detour_w, cfg.back_w, cfg.invalid_w, cfg.dead_end_w),
+    )
     for p in range(length):
         ahead = GOAL if p + 1 == length else p + 1
         row = [(ahead, True)]
@@ -102,7 +107,8 @@ def make_task(rng, cfg):
 
 
 def make_tasks(seed, cfg):
-    """The train set of one seed: {task_key: task}. Keys are stable strings (they key the memory)."""
+    """The train set of one seed: {task_key: task}. Keys are stable strings (they key the
+    memory)."""
     rng = random.Random(f"credit-tasks-{seed}")
     return {f"task{i:02d}": make_task(rng, cfg) for i in range(cfg.num_tasks)}
 
@@ -130,6 +136,7 @@ def env_steps_per_second(cfg, seconds=0.3):
 # Tabular softmax policy: logits theta[task][state] (one row of num_actions floats).
 # ---------------------------------------------------------------------------------------------
 
+
 def softmax(row):
     top = max(row)
     exps = [math.exp(x - top) for x in row]
@@ -147,6 +154,7 @@ def sampler(logit_rows):
             pi = softmax(logit_rows[s])
             frozen[s] = (pi, list(itertools.accumulate(pi)))
         return frozen[s]
+
     return probs
 
 
@@ -163,9 +171,14 @@ def rollout(task, probs, rng, cfg):
         if s < 0:
             break
     success = s == GOAL
-    return {"states": [state_name(task, x) for x in state_ids], "valid": valid,
-            "score": cfg.success_reward if success else 0.0, "success": success,
-            "state_ids": state_ids[:-1], "actions": actions}  # the last two: policy-gradient only
+    return {
+        "states": [state_name(task, x) for x in state_ids],
+        "valid": valid,
+        "score": cfg.success_reward if success else 0.0,
+        "success": success,
+        "state_ids": state_ids[:-1],
+        "actions": actions,
+    }  # the last two: policy-gradient only
 
 
 def success_probability(task, theta_rows, cfg):
@@ -189,20 +202,26 @@ def success_probability(task, theta_rows, cfg):
 # One training run: (method, K, seed) -> learning curve and zero-advantage fraction.
 # ---------------------------------------------------------------------------------------------
 
+
 def train_run(method, k, seed, cfg, keep_memory=False):
     """Train a fresh tabular policy on the seed's task set with one method; B = rollouts / K groups
     per update. Per update: plan (E11) -> K rollouts per group -> compute_advantages (E1-E9) ->
-    policy gradient -> memory.add (E10) -> scheduler.record (E11), exactly the order of docs/ALGORITHM.md."""
+    policy gradient -> memory.add (E10) -> scheduler.record (E11), exactly the order of
+    docs/ALGORITHM.md."""
     spec = METHODS[method]
     if cfg.rollouts % k:
-        raise ValueError(f"--rollouts {cfg.rollouts} is not a multiple of K={k}: the budget B*K "
-                         "must be equal for every K; pick K that divides it")
+        raise ValueError(
+            f"--rollouts {cfg.rollouts} is not a multiple of K={k}: the budget B*K "
+            "must be equal for every K; pick K that divides it"
+        )
     num_groups = cfg.rollouts // k
     revisit_groups = int(num_groups * cfg.revisit_frac) if spec["revisit"] else 0
     tasks = make_tasks(seed, cfg)
     # Common random numbers: every method of one (K, seed) starts from the same stream and tasks.
     rng = random.Random(f"credit-rollouts-{seed}-{k}")
-    scheduler = tigpo.RevisitScheduler(list(tasks), num_groups, revisit_groups, cfg.delay, seed=seed)
+    scheduler = tigpo.RevisitScheduler(
+        list(tasks), num_groups, revisit_groups, cfg.delay, seed=seed
+    )
     memory = tigpo.GraphMemory() if spec["memory"] else None
     theta = {key: [[0.0] * cfg.num_actions for _ in task["next"]] for key, task in tasks.items()}
 
@@ -213,14 +232,21 @@ def train_run(method, k, seed, cfg, keep_memory=False):
     task_hits, state_hits = [], []
     for update in range(cfg.updates):
         start = time.perf_counter()
-        policy, groups = {}, []   # policy: task -> its frozen sampler for this update
+        policy, groups = {}, []  # policy: task -> its frozen sampler for this update
         for slot in scheduler.plan(update):
             key = slot["task"]
             probs = policy.setdefault(key, sampler(theta[key]))
-            groups.append(dict(slot, trajs=[rollout(tasks[key], probs, rng, cfg) for _ in range(k)]))
+            groups.append(
+                dict(slot, trajs=[rollout(tasks[key], probs, rng, cfg) for _ in range(k)])
+            )
         advantages = tigpo.compute_advantages(
-            groups, spec["algo"], memory, success_reward=cfg.success_reward,
-            graph_gamma=cfg.graph_gamma, cross_temporal=spec["cross_temporal"])
+            groups,
+            spec["algo"],
+            memory,
+            success_reward=cfg.success_reward,
+            graph_gamma=cfg.graph_gamma,
+            cross_temporal=spec["cross_temporal"],
+        )
         # Policy gradient, one SGD step per update: theta_s += lr * A_t * grad log pi(a_t|s_t),
         # grad wrt the logits = onehot(a) - pi, with pi the sampling policy, so the step is exactly
         # on-policy (E12's ratio is 1, its clip inert; no KL term). Summed over steps, REINFORCE's
@@ -247,12 +273,19 @@ def train_run(method, k, seed, cfg, keep_memory=False):
         train_seconds += time.perf_counter() - start
         if (update + 1) % cfg.eval_every == 0 or update + 1 == cfg.updates:
             curve.append((update + 1, evaluate()))
-    return {"method": method, "k": k, "seed": seed, "curve": curve,
-            "zero_frac": zero_steps / max(all_steps, 1), "steps": all_steps,
-            "memory_hits": (statistics.fmean(task_hits), statistics.fmean(state_hits))
-            if task_hits else None,
-            "train_seconds": train_seconds,
-            **({"memory": memory.state_dict()} if keep_memory and memory is not None else {})}
+    return {
+        "method": method,
+        "k": k,
+        "seed": seed,
+        "curve": curve,
+        "zero_frac": zero_steps / max(all_steps, 1),
+        "steps": all_steps,
+        "memory_hits": (statistics.fmean(task_hits), statistics.fmean(state_hits))
+        if task_hits
+        else None,
+        "train_seconds": train_seconds,
+        **({"memory": memory.state_dict()} if keep_memory and memory is not None else {}),
+    }
 
 
 def _train_run_star(job):
@@ -262,6 +295,7 @@ def _train_run_star(job):
 # ---------------------------------------------------------------------------------------------
 # Table and plot
 # ---------------------------------------------------------------------------------------------
+
 
 def updates_to(curve, level=0.5):
     return next((u for u, s in curve if s >= level), math.inf)
@@ -274,9 +308,11 @@ def mean_std(values):
 
 def summarize(results, methods, ks, label_k=True):
     """Markdown table, one row per (method, K), each row starting with the method name."""
-    lines = ["| method | final success | mean success over training | updates to 50% (median, "
-             "reached) | zero-advantage steps | memory hit task / state |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| method | final success | mean success over training | updates to 50% (median, "
+        "reached) | zero-advantage steps | memory hit task / state |",
+        "|---|---|---|---|---|---|",
+    ]
     for method in methods:
         for k in ks:
             runs = [r for r in results if r["method"] == method and r["k"] == k]
@@ -288,25 +324,38 @@ def summarize(results, methods, ks, label_k=True):
             reach_at = [updates_to(r["curve"]) for r in runs]
             median = statistics.median(reach_at)
             reached = sum(u < math.inf for u in reach_at)
-            reach_txt = f"{'never' if median == math.inf else f'{median:g}'} ({reached}/{len(runs)})"
+            reach_txt = (
+                f"{'never' if median == math.inf else f'{median:g}'} ({reached}/{len(runs)})"
+            )
             zero = statistics.fmean(r["zero_frac"] for r in runs)
             hits = [r["memory_hits"] for r in runs if r["memory_hits"]]
-            hit_txt = (f"{statistics.fmean(h[0] for h in hits):.2f} / "
-                       f"{statistics.fmean(h[1] for h in hits):.2f}") if hits else "—"
+            hit_txt = (
+                (
+                    f"{statistics.fmean(h[0] for h in hits):.2f} / "
+                    f"{statistics.fmean(h[1] for h in hits):.2f}"
+                )
+                if hits
+                else "—"
+            )
             name = f"{method} K={k}" if label_k else method
-            lines.append(f"| {name} | {mean_std(finals)} | {mean_std(aucs)} | {reach_txt} | "
-                         f"{zero:.3f} | {hit_txt} |")
+            lines.append(
+                f"| {name} | {mean_std(finals)} | {mean_std(aucs)} | {reach_txt} | "
+                f"{zero:.3f} | {hit_txt} |"
+            )
     return "\n".join(lines)
 
 
 def plot(results, methods, ks, rollouts, path):
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print(f"matplotlib is not installed: no plot written to {path} "
-              "(pip install matplotlib to get it; the table above is the full result)")
+        print(
+            f"matplotlib is not installed: no plot written to {path} "
+            "(pip install matplotlib to get it; the table above is the full result)"
+        )
         return
     fig, axes = plt.subplots(1, len(ks), figsize=(5 * len(ks), 4), sharey=True, squeeze=False)
     for ax, k in zip(axes[0], ks):
@@ -315,10 +364,17 @@ def plot(results, methods, ks, rollouts, path):
             xs = [u for u, _ in runs[0]["curve"]]
             per_point = list(zip(*[[s for _, s in r["curve"]] for r in runs]))
             mean = [statistics.fmean(p) for p in per_point]
-            err = [statistics.stdev(p) / math.sqrt(len(p)) if len(p) > 1 else 0.0 for p in per_point]
-            line, = ax.plot(xs, mean, label=method, linestyle="--" if "-" in method else "-")
-            ax.fill_between(xs, [m - e for m, e in zip(mean, err)],
-                            [m + e for m, e in zip(mean, err)], color=line.get_color(), alpha=0.15)
+            err = [
+                statistics.stdev(p) / math.sqrt(len(p)) if len(p) > 1 else 0.0 for p in per_point
+            ]
+            (line,) = ax.plot(xs, mean, label=method, linestyle="--" if "-" in method else "-")
+            ax.fill_between(
+                xs,
+                [m - e for m, e in zip(mean, err)],
+                [m + e for m, e in zip(mean, err)],
+                color=line.get_color(),
+                alpha=0.15,
+            )
         ax.set_title(f"K = {k} (B·K = {rollouts} rollouts/update)")
         ax.set_xlabel("update")
         ax.grid(alpha=0.3)
@@ -338,9 +394,11 @@ def run_benchmark(cfg, methods, ks, seeds, workers, log=print):
     def collect(stream):
         for r in stream:
             results.append(r)
-            log(f"[{len(results)}/{len(jobs)}] {r['method']} K={r['k']} seed={r['seed']}: final "
+            log(
+                f"[{len(results)}/{len(jobs)}] {r['method']} K={r['k']} seed={r['seed']}: final "
                 f"success {r['curve'][-1][1]:.3f}, {r['steps'] / r['train_seconds']:,.0f} steps/s "
-                "training (rollouts + advantages + update)")
+                "training (rollouts + advantages + update)"
+            )
 
     if workers <= 1:
         collect(map(_train_run_star, jobs))
@@ -353,26 +411,47 @@ def run_benchmark(cfg, methods, ks, seeds, workers, log=print):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--quick", action="store_true",
-                        help="K=4 only: the K=4 rows of the full table, one row per method (< 2 min)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="K=4 only: the K=4 rows of the full table, one row per method (< 2 min)",
+    )
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset")
     parser.add_argument("--ks", default=None, help="group sizes K (default 2,4,8; quick: 4)")
     parser.add_argument("--seeds", type=int, default=5, help="seeds per (method, K)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--save-memory", default=None, metavar="PATH",
-                        help="also train tigpo once (first K, seed 0) and write its GraphMemory.state_dict() "
-                             "to PATH, for tools/export_graph.py")
-    parser.add_argument("--plot", default=None,
-                        help="PNG path (default bench/credit.png for the full run, none for --quick)")
+    parser.add_argument(
+        "--save-memory",
+        default=None,
+        metavar="PATH",
+        help="also train tigpo once (first K, seed 0) and write its GraphMemory.state_dict() "
+        "to PATH, for extras/export_graph.py",
+    )
+    parser.add_argument(
+        "--plot",
+        default=None,
+        help="PNG path (default bench/credit.png for the full run, none for --quick)",
+    )
     for f in fields(Config):
-        parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=None,
-                            help=f"Config.{f.name} (default {f.default})")
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=type(f.default),
+            default=None,
+            help=f"Config.{f.name} (default {f.default})",
+        )
     args = parser.parse_args(argv)
 
-    cfg = replace(Config(), **{f.name: getattr(args, f.name) for f in fields(Config)
-                          if getattr(args, f.name) is not None})
+    cfg = replace(
+        Config(),
+        **{
+            f.name: getattr(args, f.name)
+            for f in fields(Config)
+            if getattr(args, f.name) is not None
+        },
+    )
     methods = args.methods.split(",")
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
@@ -380,8 +459,10 @@ def main(argv=None):
     ks = [int(x) for x in (args.ks or ("4" if args.quick else "2,4,8")).split(",")]
     bad_ks = [k for k in ks if k < 1 or cfg.rollouts % k]
     if bad_ks:
-        parser.error(f"K={bad_ks} does not divide --rollouts {cfg.rollouts}: the budget B*K must be "
-                     "the same for every K; pick K among the divisors of --rollouts")
+        parser.error(
+            f"K={bad_ks} does not divide --rollouts {cfg.rollouts}: the budget B*K must be "
+            "the same for every K; pick K among the divisors of --rollouts"
+        )
     seeds = range(args.seeds)
     default_plot = os.path.join(os.path.dirname(os.path.abspath(__file__)), "credit.png")
     plot_path = args.plot or (None if args.quick else default_plot)
@@ -391,25 +472,34 @@ def main(argv=None):
     start = time.perf_counter()
     results = run_benchmark(cfg, methods, ks, seeds, args.workers)
     table = summarize(results, methods, ks, label_k=len(ks) > 1)
-    print(f"\nFinal success = exact success probability of the sampling policy (temperature 1) "
-          f"over the {cfg.num_tasks} train tasks after {cfg.updates} updates, mean ± std over "
-          f"{len(seeds)} seeds; B*K = {cfg.rollouts} rollouts per update for every method"
-          + (f" (K = {ks[0]})" if len(ks) == 1 else "") + ".\n")
+    print(
+        f"\nFinal success = exact success probability of the sampling policy (temperature 1) "
+        f"over the {cfg.num_tasks} train tasks after {cfg.updates} updates, mean ± std over "
+        f"{len(seeds)} seeds; B*K = {cfg.rollouts} rollouts per update for every method"
+        + (f" (K = {ks[0]})" if len(ks) == 1 else "")
+        + ".\n"
+    )
     print(table)
-    print(f"\nmean success over training = area under the learning curve (evaluated every "
-          f"{cfg.eval_every} updates); updates to 50% = first evaluation at >= 0.5, median over "
-          "seeds (never = infinity), with how many seeds got there; zero-advantage steps = share "
-          "of training steps with |A| < 1e-6; memory hit = share of groups whose task, and of "
-          "current states, already in GraphMemory before the update (tigpo variants).")
-    print(f"\n{len(results)} runs in {time.perf_counter() - start:.0f} s with {args.workers} workers")
+    print(
+        f"\nmean success over training = area under the learning curve (evaluated every "
+        f"{cfg.eval_every} updates); updates to 50% = first evaluation at >= 0.5, median over "
+        "seeds (never = infinity), with how many seeds got there; zero-advantage steps = share "
+        "of training steps with |A| < 1e-6; memory hit = share of groups whose task, and of "
+        "current states, already in GraphMemory before the update (tigpo variants)."
+    )
+    print(
+        f"\n{len(results)} runs in {time.perf_counter() - start:.0f} s with {args.workers} workers"
+    )
     if plot_path:
         plot(results, methods, ks, cfg.rollouts, plot_path)
     if args.save_memory:
         run = train_run("tigpo", ks[0], 0, cfg, keep_memory=True)
         with open(args.save_memory, "w") as fh:
             json.dump(run["memory"], fh)
-        print(f"wrote the persistent graph of tigpo (K={ks[0]}, seed 0) to {args.save_memory}: "
-              f"python tools/export_graph.py {args.save_memory} --list")
+        print(
+            f"wrote the persistent graph of tigpo (K={ks[0]}, seed 0) to {args.save_memory}: "
+            f"python extras/export_graph.py {args.save_memory} --list"
+        )
 
 
 if __name__ == "__main__":

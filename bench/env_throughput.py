@@ -10,6 +10,7 @@ Three measurements in one run, on the same games and the same action scripts:
 Steps/s count env.step calls only (resets are reported apart). Usage:
   python bench/env_throughput.py [--data-dir DIR] [--games 6] [--steps 40] [--slots 8] [--workers 2]
 """
+
 import argparse
 import json
 import os
@@ -27,14 +28,24 @@ sys.path.insert(0, ROOT)
 def stock_run(data_dir, games, steps, seed):
     """Runs in a subprocess: the stock AlfredTWEnv path records scripts and times its steps."""
     from alfworld.agents.environment.alfred_tw_env import AlfredTWEnv
+
     import envs
-    config = {"env": {"goal_desc_human_anns_prob": 0, "task_types": [1, 2, 3, 4, 5, 6],
-                      "domain_randomization": False, "expert_type": "handcoded"},
-              "dataset": {"data_path": os.path.join(data_dir, "json_2.1.1", "train"),
-                          "num_train_games": -1},
-              "general": {"training_method": "dqn"},
-              "rl": {"training": {"max_nb_steps_per_episode": 10 * steps}}}
-    real_stdout, sys.stdout = sys.stdout, sys.stderr   # AlfredTWEnv prints; stdout carries the JSON
+
+    config = {
+        "env": {
+            "goal_desc_human_anns_prob": 0,
+            "task_types": [1, 2, 3, 4, 5, 6],
+            "domain_randomization": False,
+            "expert_type": "handcoded",
+        },
+        "dataset": {
+            "data_path": os.path.join(data_dir, "json_2.1.1", "train"),
+            "num_train_games": -1,
+        },
+        "general": {"training_method": "dqn"},
+        "rl": {"training": {"max_nb_steps_per_episode": 10 * steps}},
+    }
+    real_stdout, sys.stdout = sys.stdout, sys.stderr  # AlfredTWEnv prints; stdout carries the JSON
     env = AlfredTWEnv(config, train_eval="train").init_env(batch_size=1)
     sys.stdout = real_stdout
     rng = random.Random(seed)
@@ -43,9 +54,12 @@ def stock_run(data_dir, games, steps, seed):
         t = time.perf_counter()
         obs, infos = env.reset()
         reset_time += time.perf_counter() - t
-        rec = {"gamefile": infos["extra.gamefile"][0], "commands": [],
-               "obs": [obs[0].replace(envs.BANNER, "").strip()],
-               "admissible": [[a for a in infos["admissible_commands"][0] if a != "help"]]}
+        rec = {
+            "gamefile": infos["extra.gamefile"][0],
+            "commands": [],
+            "obs": [obs[0].replace(envs.BANNER, "").strip()],
+            "admissible": [[a for a in infos["admissible_commands"][0] if a != "help"]],
+        }
         for _ in range(steps):
             command = rng.choice(rec["admissible"][-1])
             t = time.perf_counter()
@@ -64,7 +78,9 @@ def stock_run(data_dir, games, steps, seed):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data-dir", default=None, help="folder with json_2.1.1 (default: generate 6 games)")
+    parser.add_argument(
+        "--data-dir", default=None, help="folder with json_2.1.1 (default: generate 6 games)"
+    )
     parser.add_argument("--games", type=int, default=6, help="episodes on the stock path")
     parser.add_argument("--steps", type=int, default=40, help="max steps per episode")
     parser.add_argument("--slots", type=int, default=8, help="envs stepped together in the pool")
@@ -77,18 +93,48 @@ def main():
         return
 
     import envs
+
     data_dir = args.data_dir
-    if data_dir is None:   # removed at the end
+    if data_dir is None:  # removed at the end
         data_dir = tempfile.mkdtemp(prefix="tigpo-bench-")
-        t = time.perf_counter()   # in a subprocess: generating here would warm our memo of the games
-        subprocess.run([sys.executable, os.path.join(ROOT, "envs.py"), "generate", data_dir, "--num-train", "6",
-                        "--num-eval", "0", "--seed", str(args.seed)], check=True, capture_output=True)
+        t = time.perf_counter()  # in a subprocess: generating here would warm our memo of the games
+        subprocess.run(
+            [
+                sys.executable,
+                os.path.join(ROOT, "envs.py"),
+                "generate",
+                data_dir,
+                "--num-train",
+                "6",
+                "--num-eval",
+                "0",
+                "--seed",
+                str(args.seed),
+            ],
+            check=True,
+            capture_output=True,
+        )
         print(f"generated 6 games in {time.perf_counter() - t:.1f} s -> {data_dir}")
 
     # 1. stock, in a clean process (our parse memo is process-wide and must not help it)
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--stock-only", "--data-dir", data_dir,
-                          "--games", str(args.games), "--steps", str(args.steps), "--seed", str(args.seed)],
-                         check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--stock-only",
+            "--data-dir",
+            data_dir,
+            "--games",
+            str(args.games),
+            "--steps",
+            str(args.steps),
+            "--seed",
+            str(args.seed),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     stock = json.loads(out.stdout)
     records = stock["records"]
 
@@ -96,7 +142,7 @@ def main():
     step_time = reset_time = 0.0
     mismatches = 0
     for rec in records:
-        t = time.perf_counter()   # load + reset, as the stock reset loads the game too
+        t = time.perf_counter()  # load + reset, as the stock reset loads the game too
         game = envs.AlfWorldGame(rec["gamefile"], max_steps=10 * args.steps)
         obs, info = game.reset()
         reset_time += time.perf_counter() - t
@@ -113,7 +159,9 @@ def main():
     root = os.path.join(data_dir, "json_2.1.1")
     slots = [records[j % len(records)] for j in range(args.slots)]
     tasks = [os.path.relpath(r["gamefile"], root).replace(os.sep, "/") for r in slots]
-    pool = envs.EnvPool("alfworld", num_workers=args.workers, data_dir=data_dir, max_steps=10 * args.steps)
+    pool = envs.EnvPool(
+        "alfworld", num_workers=args.workers, data_dir=data_dir, max_steps=10 * args.steps
+    )
     t = time.perf_counter()
     pool.reset(tasks)
     pool_reset = time.perf_counter() - t
@@ -125,20 +173,37 @@ def main():
     pool_s = time.perf_counter() - t
     pool.close()
 
-    rate = {"stock": stock["steps"] / stock["step_s"], "tigpo": ours["steps"] / ours["step_s"],
-            "pool": n / pool_s}
+    rate = {
+        "stock": stock["steps"] / stock["step_s"],
+        "tigpo": ours["steps"] / ours["step_s"],
+        "pool": n / pool_s,
+    }
     print(f"\n{'path':<34}{'steps':>7}{'steps/s':>10}{'reset s/game':>14}")
-    print(f"{'stock AlfredTWEnv (1 env)':<34}{stock['steps']:>7}{rate['stock']:>10.1f}"
-          f"{stock['reset_s'] / len(records):>14.2f}")
-    print(f"{'tigpo AlfWorldGame (1 env)':<34}{ours['steps']:>7}{rate['tigpo']:>10.1f}"
-          f"{ours['reset_s'] / len(records):>14.2f}")
-    print(f"{f'tigpo EnvPool ({args.workers} workers, {args.slots} envs)':<34}{n:>7}{rate['pool']:>10.1f}"
-          f"{pool_reset / args.slots:>14.2f}")
-    print(f"\nspeed-up tigpo/stock {rate['tigpo'] / rate['stock']:.2f}x, pool/stock "
-          f"{rate['pool'] / rate['stock']:.2f}x, pool/tigpo {rate['pool'] / rate['tigpo']:.2f}x")
-    print(f"observation or admissible-list mismatches vs stock: {mismatches} "
-          f"(over {ours['steps'] + len(records)} observations)")
-    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} (other processes slow all rows)")
+    print(
+        f"{'stock AlfredTWEnv (1 env)':<34}{stock['steps']:>7}{rate['stock']:>10.1f}"
+        f"{stock['reset_s'] / len(records):>14.2f}"
+    )
+    print(
+        f"{'tigpo AlfWorldGame (1 env)':<34}{ours['steps']:>7}{rate['tigpo']:>10.1f}"
+        f"{ours['reset_s'] / len(records):>14.2f}"
+    )
+    print(
+        f"{f'tigpo EnvPool ({args.workers} workers, {args.slots} envs)':<34}"
+        f"{n:>7}{rate['pool']:>10.1f}"
+        f"{pool_reset / args.slots:>14.2f}"
+    )
+    print(
+        f"\nspeed-up tigpo/stock {rate['tigpo'] / rate['stock']:.2f}x, pool/stock "
+        f"{rate['pool'] / rate['stock']:.2f}x, pool/tigpo {rate['pool'] / rate['tigpo']:.2f}x"
+    )
+    print(
+        f"observation or admissible-list mismatches vs stock: {mismatches} "
+        f"(over {ours['steps'] + len(records)} observations)"
+    )
+    print(
+        f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} (other processes "
+        "slow all rows)"
+    )
     if args.data_dir is None:
         shutil.rmtree(data_dir)
 

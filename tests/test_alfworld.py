@@ -1,6 +1,7 @@
 """ALFWorld on the real engine (docs/ALGORITHM.md "Environments"): generated games of all six task
 types are won by their walkthroughs through make_env; reward/done/won; invalid actions; state keys;
 the official data layout; the clear error for a broken data folder; generator determinism."""
+
 import json
 import os
 import re
@@ -11,7 +12,9 @@ import pytest
 import envs
 
 pytestmark = pytest.mark.slow
-KEY_RE = re.compile(r"^(train|valid_seen|valid_unseen)/[a-z_]+-[A-Za-z]+-None-[A-Za-z]+-\d+/trial_T[\d_]+/game\.tw-pddl$")
+KEY_RE = re.compile(
+    r"^(train|valid_seen|valid_unseen)/[a-z_]+-[A-Za-z]+-None-[A-Za-z]+-\d+/trial_T[\d_]+/game\.tw-pddl$"
+)
 
 
 def walkthrough(data, task):
@@ -43,14 +46,22 @@ def test_every_task_type_is_generated_and_won_by_its_walkthrough(env, alfworld_d
             obs, reward, done, info = env.step(command)
             assert info["valid"] and obs != envs.NOTHING, (task, command)
             last = i == len(plan) - 1
-            assert (reward, done, info["won"]) == ((10.0, True, True) if last else (0.0, False, False))
+            assert (reward, done, info["won"]) == (
+                (10.0, True, True) if last else (0.0, False, False)
+            )
 
 
 def test_invalid_action_is_a_harmless_step(env):
     obs0, info0 = env.reset(first_task(env, "pick"))
     for bad in ("dance wildly", None, "help"):
         obs, reward, done, info = env.step(bad)
-        assert (obs, reward, done, info["valid"], info["won"]) == (envs.NOTHING, 0.0, False, False, False)
+        assert (obs, reward, done, info["valid"], info["won"]) == (
+            envs.NOTHING,
+            0.0,
+            False,
+            False,
+            False,
+        )
         assert info["state"] == info0["state"] and info["admissible"] == info0["admissible"]
     # validity is judged after normalisation: case and spaces do not matter
     target = info0["admissible"][0]
@@ -74,19 +85,22 @@ def test_facts_state_key_is_the_world_state(env, alfworld_data):
     plan = walkthrough(alfworld_data, task)
     _, info = env.reset(task)
     start = info["state"]
-    assert env.reset(task)[1]["state"] == start               # deterministic
-    for command in ("look", "inventory"):                      # observing changes nothing
+    assert env.reset(task)[1]["state"] == start  # deterministic
+    for command in ("look", "inventory"):  # observing changes nothing
         assert env.step(command)[3]["state"] == start
     receptacles = [a for a in info["admissible"] if a.startswith("go to ")]
     key_a = env.step(receptacles[0])[3]["state"]
-    assert key_a != start                                      # the agent moved
+    assert key_a != start  # the agent moved
     examine = next(a for a in env.step("look")[3]["admissible"] if a.startswith("examine"))
     assert env.step(examine)[3]["state"] == key_a
     key_b = env.step(receptacles[1])[3]["state"]
-    assert env.step(receptacles[0])[3]["state"] == key_a != key_b   # same state, same key
+    assert env.step(receptacles[0])[3]["state"] == key_a != key_b  # same state, same key
     # picking the target up (the walkthrough's first take) moves an object: a new key
     env.reset(task)
-    keys = [env.step(c)[3]["state"] for c in plan[: next(i for i, c in enumerate(plan) if c.startswith("take")) + 1]]
+    keys = [
+        env.step(c)[3]["state"]
+        for c in plan[: next(i for i, c in enumerate(plan) if c.startswith("take")) + 1]
+    ]
     assert keys[-1] not in keys[:-1]
 
 
@@ -100,13 +114,15 @@ def test_obs_state_key_uses_observation_location_and_held_object(alfworld_data):
     go = [a for a in info["admissible"] if a.startswith("go to ")]
     env.step(go[0])
     nothing_there = env.step("dance")[3]["state"]
-    assert nothing_here != nothing_there    # "Nothing happens." at two places: two keys
+    assert nothing_here != nothing_there  # "Nothing happens." at two places: two keys
     env.close()
     with pytest.raises(ValueError, match="state_key"):
         envs.AlfWorldGame(os.path.join(alfworld_data, "json_2.1.1", task), state_key="pixels")
 
 
-def test_official_layout_tree_loads_splits_and_skips_what_alfworld_skips(alfworld_data, tmp_path, monkeypatch):
+def test_official_layout_tree_loads_splits_and_skips_what_alfworld_skips(
+    alfworld_data, tmp_path, monkeypatch
+):
     src = os.path.join(alfworld_data, "json_2.1.1")
     dst = tmp_path / "data" / "json_2.1.1"
     shutil.copytree(src, dst)
@@ -120,8 +136,8 @@ def test_official_layout_tree_loads_splits_and_skips_what_alfworld_skips(alfworl
     shutil.copytree(dst / "train" / first, dst / "train" / movable)
     monkeypatch.setenv("ALFWORLD_DATA", str(tmp_path / "data"))
     expected = envs.make_env("alfworld", split="train", data_dir=alfworld_data).tasks
-    for split in envs.SPLITS:
-        env = envs.make_env("alfworld", split=split)          # found through ALFWORLD_DATA
+    for split in envs.ALFWORLD_SPLITS:
+        env = envs.make_env("alfworld", split=split)  # found through ALFWORLD_DATA
         assert env.tasks and all(t.startswith(split + "/") and KEY_RE.match(t) for t in env.tasks)
         if split == "train":
             assert env.tasks == expected
@@ -137,7 +153,7 @@ def test_broken_data_folder_is_a_clear_error(tmp_path, monkeypatch):
         envs.make_env("alfworld")
     (tmp_path / "json_2.1.1" / "train").mkdir(parents=True)
     with pytest.raises(ValueError, match="no solvable games"):
-        envs.make_env("alfworld", data_dir=str(tmp_path)).tasks
+        _ = envs.make_env("alfworld", data_dir=str(tmp_path)).tasks
     with pytest.raises(ValueError, match="valid_seen"):
         envs.make_env("alfworld", split="valid_seen", data_dir=str(tmp_path))
     with pytest.raises(ValueError, match="'alfworld' or 'webshop'"):
@@ -156,17 +172,25 @@ def test_default_data_is_generated_once_in_the_user_cache(tmp_path, monkeypatch,
     assert root == str(tmp_path / "tigpo" / "alfworld-3-1-0" / "json_2.1.1")
     assert "generating" in capsys.readouterr().err
     assert envs.resolve_alfworld_data(None, seed=3, num_train=1, num_eval=0) == root
-    assert "generating" not in capsys.readouterr().err          # made once
+    assert "generating" not in capsys.readouterr().err  # made once
 
 
 def test_generator_is_deterministic_for_a_seed(tmp_path):
-    from environments import alfworld_gen
+    from extras import alfworld_gen
+
     files = []
     for run in ("a", "b"):
-        paths = [p for _, p, _ in alfworld_gen.generate(str(tmp_path / run), num_train=2, num_eval=1, seed=7)]
+        paths = [
+            p
+            for _, p, _ in alfworld_gen.generate(
+                str(tmp_path / run), num_train=2, num_eval=1, seed=7
+            )
+        ]
         files.append([(os.path.relpath(p, tmp_path / run), open(p).read()) for p in paths])
     assert files[0] == files[1] and len(files[0]) == 4
-    other = [p for _, p, _ in alfworld_gen.generate(str(tmp_path / "c"), num_train=2, num_eval=1, seed=8)]
+    other = [
+        p for _, p, _ in alfworld_gen.generate(str(tmp_path / "c"), num_train=2, num_eval=1, seed=8)
+    ]
     assert [os.path.relpath(p, tmp_path / "c") for p in other] != [f for f, _ in files[0]]
     seen = {p.split("/")[2].rsplit("-", 1)[1] for p, _ in files[0] if "/valid_unseen/" in "/" + p}
     assert seen and all(int(s) in alfworld_gen.C.TEST_SCENE_NUMBERS for s in seen)
@@ -179,6 +203,7 @@ def test_switching_tasks_reuses_one_planner_library(alfworld_data):
     def copies():
         with open("/proc/self/maps") as f:
             return sum("libdownward" in line for line in f)
+
     env = envs.make_env("alfworld", split="train", data_dir=alfworld_data)
     env.reset(env.tasks[0])
     after_one = copies()
@@ -189,16 +214,31 @@ def test_switching_tasks_reuses_one_planner_library(alfworld_data):
     env.close()
 
 
-def test_importing_envs_does_not_invent_an_alfworld_data_folder():
+def test_playing_a_game_does_not_invent_an_alfworld_data_folder(alfworld_data):
     # alfworld's own import sets ALFWORLD_DATA to an empty ~/.cache/alfworld; envs must not then
-    # mistake that for the user's data folder (the default would become a "broken folder" error).
+    # mistake that for the user's data folder: a run that plays a game in its own process (the
+    # warm start) and then asks for the generated games again (the eval) would stop with a
+    # "broken folder" error. A fresh process, so that alfworld is imported here for the first time.
     import subprocess
     import sys
+
     env = {k: v for k, v in os.environ.items() if k != "ALFWORLD_DATA"}
-    code = ("import os, envs; from alfworld.agents.environment import alfred_tw_env; "
-            "print(os.environ.get('ALFWORLD_DATA'))")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), check=True)
+    code = (
+        "import os, sys, envs\n"
+        "game = envs.AlfWorldGame(sys.argv[1])\n"
+        "game.close()\n"
+        "print(os.environ.get('ALFWORLD_DATA'))\n"
+    )
+    root = os.path.join(alfworld_data, "json_2.1.1")
+    game = os.path.join(root, envs.alfworld_tasks(root, "train")[0])
+    out = subprocess.run(
+        [sys.executable, "-c", code, game],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        check=True,
+    )
     assert out.stdout.strip() == "None"
 
 
@@ -212,7 +252,9 @@ def test_games_are_selected_by_task_type_and_scene_size(alfworld_data):
     assert len(every) == 6 and all(s > 0 for s in sizes.values())
     picks = envs.alfworld_tasks(root, "train", task_types="pick,look")
     assert picks and set(picks) < set(every)
-    assert all(k.split("/")[1].startswith(("pick_and_place_simple", "look_at_obj_in_light")) for k in picks)
+    assert all(
+        k.split("/")[1].startswith(("pick_and_place_simple", "look_at_obj_in_light")) for k in picks
+    )
     limit = sorted(sizes.values())[len(sizes) // 2]
     small = envs.alfworld_tasks(root, "train", max_receptacles=limit)
     assert list(small) == [k for k in every if sizes[k] <= limit]

@@ -1,6 +1,8 @@
-"""EnvPool (docs/ALGORITHM.md "Parallel envs"): results equal the single env's and do not depend on the
-number of workers; None actions; a crashed game or a killed worker ends only its own episodes, the
+"""EnvPool (docs/ALGORITHM.md "Parallel envs"): results equal the single env's and do not depend on
+the number of workers; None actions; a crashed game or a killed worker ends only its own
+episodes, the
 worker restarts, and close() leaves no process behind."""
+
 import json
 import os
 import shutil
@@ -31,13 +33,13 @@ def alive(pid):
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    with open(f"/proc/{pid}/stat") as f:   # a zombie is dead too
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead too
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
 def test_pool_equals_single_env_for_any_number_of_workers(alfworld_data):
     env = envs.make_env("alfworld", split="train", data_dir=alfworld_data)
-    tasks = env.tasks[:4] + env.tasks[:2]     # K rollouts of one task are separate envs
+    tasks = env.tasks[:4] + env.tasks[:2]  # K rollouts of one task are separate envs
     walks = plans(alfworld_data, tasks)
     traces = []
     for workers in (1, 2):
@@ -58,7 +60,9 @@ def test_pool_equals_single_env_for_any_number_of_workers(alfworld_data):
     final_obs, final_rewards, final_dones, final_infos = traces[0][-1]
     assert all(final_dones)
     short = [j for j, w in enumerate(walks) if len(w) < len(traces[0]) - 1]
-    assert short and all(final_obs[j] is None and final_rewards[j] == 0.0 and final_infos[j] == {} for j in short)
+    assert short and all(
+        final_obs[j] is None and final_rewards[j] == 0.0 and final_infos[j] == {} for j in short
+    )
     env.close()
 
 
@@ -67,21 +71,23 @@ def test_crashed_game_and_killed_worker_end_only_their_episodes(alfworld_data, t
     shutil.copytree(os.path.join(alfworld_data, "json_2.1.1"), data / "json_2.1.1")
     tasks = envs.make_env("alfworld", split="train", data_dir=str(data)).tasks
     broken = data / "json_2.1.1" / tasks[0]
-    broken.write_text(json.dumps(dict(json.loads(broken.read_text()), pddl_problem="(define (problem")))
+    broken.write_text(
+        json.dumps(dict(json.loads(broken.read_text()), pddl_problem="(define (problem"))
+    )
     pool = envs.EnvPool("alfworld", num_workers=2, split="train", data_dir=str(data))
     obs, infos = pool.reset(tasks[:4])
     assert "crash" in infos[0] and all("crash" not in i for i in infos[1:])
     pids = pool.pids
-    os.kill(pids[1], signal.SIGKILL)      # worker 1 holds slots 2 and 3 (contiguous blocks)
+    os.kill(pids[1], signal.SIGKILL)  # worker 1 holds slots 2 and 3 (contiguous blocks)
     while alive(pids[1]):
         time.sleep(0.05)
     obs, rewards, dones, infos = pool.step(["look"] * 4)
     assert dones == [True, False, True, True] and rewards == [0.0] * 4
     assert infos[0] == {} and "died" in infos[2]["crash"] and "died" in infos[3]["crash"]
     assert infos[1]["valid"] and "crash" not in infos[1]
-    obs, rewards, dones, infos = pool.step(["look"] * 4)   # ended episodes are not stepped
+    obs, rewards, dones, infos = pool.step(["look"] * 4)  # ended episodes are not stepped
     assert obs[2] is None and infos[2] == {} and dones[2] and not dones[1]
-    obs, infos = pool.reset(tasks[1:4])                    # the batch goes on, worker restarted
+    obs, infos = pool.reset(tasks[1:4])  # the batch goes on, worker restarted
     assert all("crash" not in i for i in infos) and pool.pids[1] not in (None, pids[1])
     with pytest.raises(envs.TaskError):
         pool.reset(["train/none/trial_T0/game.tw-pddl"])
@@ -100,13 +106,13 @@ def test_hung_worker_is_killed_after_the_timeout_and_the_batch_goes_on(alfworld_
     assert all("crash" not in i for i in infos)
     pool.worker_timeout = 5.0
     hung = pool.pids[1]
-    os.kill(hung, signal.SIGSTOP)         # worker 1 (slot 1) stops answering, as a hung game would
+    os.kill(hung, signal.SIGSTOP)  # worker 1 (slot 1) stops answering, as a hung game would
     obs, rewards, dones, infos = pool.step(["look", "look"])
     assert infos[0]["valid"] and not dones[0]
     assert dones[1] and rewards[1] == 0.0 and "hung" in infos[1]["crash"]
     assert pool.pids[1] is None and not alive(hung)
     pool.worker_timeout = 600.0
-    obs, infos = pool.reset(tasks)        # restarted
+    obs, infos = pool.reset(tasks)  # restarted
     assert all("crash" not in i for i in infos) and pool.pids[1] not in (None, hung)
     pool.close()
 

@@ -1,4 +1,5 @@
 """Smoke and structure tests for bench/credit.py (the CPU credit-assignment benchmark)."""
+
 import importlib.util
 import math
 import os
@@ -16,8 +17,16 @@ credit = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(credit)
 
 # An easy, tiny setting: short corridors, few tasks, so a run takes well under a second.
-TINY = replace(credit.Config(), num_tasks=4, min_length=5, max_length=6, max_steps=30, rollouts=8,
-               updates=30, eval_every=10)
+TINY = replace(
+    credit.Config(),
+    num_tasks=4,
+    min_length=5,
+    max_length=6,
+    max_steps=30,
+    rollouts=8,
+    updates=30,
+    eval_every=10,
+)
 
 
 def shortest_path(task):
@@ -40,16 +49,18 @@ def test_task_family_has_the_structure_the_issue_asks_for():
     assert len(tasks) == cfg.num_tasks
     roles = {"dead": 0, "invalid": 0, "back": 0}
     for task in tasks.values():
-        assert shortest_path(task) >= 15                      # long horizon, goal reachable
+        assert shortest_path(task) >= 15  # long horizon, goal reachable
         for s, (row, valid) in enumerate(zip(task["next"], task["valid"])):
             assert len(row) == len(valid) == cfg.num_actions  # several actions per state
             roles["dead"] += row.count(credit.DEAD)
             roles["invalid"] += sum(not v for v in valid)
-            roles["back"] += sum(0 <= s2 < s for s2 in row)   # loops to an earlier corridor state
+            roles["back"] += sum(0 <= s2 < s for s2 in row)  # loops to an earlier corridor state
     assert all(n > 0 for n in roles.values()), roles
     # Sparse reward: the untrained (uniform) policy succeeds rarely, but not never.
-    uniform = [credit.success_probability(t, [[0.0] * cfg.num_actions for _ in t["next"]], cfg)
-               for t in tasks.values()]
+    uniform = [
+        credit.success_probability(t, [[0.0] * cfg.num_actions for _ in t["next"]], cfg)
+        for t in tasks.values()
+    ]
     assert 0.0 < sum(uniform) / len(uniform) < 0.2
 
 
@@ -79,8 +90,25 @@ def test_budget_must_divide_by_k():
 
 
 def test_quick_style_table_has_one_sane_row_per_method(capsys):
-    argv = ["--quick", "--seeds", "2", "--workers", "1", "--num-tasks", "4", "--min-length", "5",
-            "--max-length", "6", "--max-steps", "30", "--rollouts", "8", "--updates", "20"]
+    argv = [
+        "--quick",
+        "--seeds",
+        "2",
+        "--workers",
+        "1",
+        "--num-tasks",
+        "4",
+        "--min-length",
+        "5",
+        "--max-length",
+        "6",
+        "--max-steps",
+        "30",
+        "--rollouts",
+        "8",
+        "--updates",
+        "20",
+    ]
     credit.main(argv)
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
@@ -106,16 +134,16 @@ def test_each_method_is_wired_to_the_shared_core(monkeypatch):
     real = credit.tigpo.compute_advantages
 
     def spy(groups, algo, memory, **kw):
-        calls.append((algo, memory is not None, kw["cross_temporal"],
-                      {g["kind"] for g in groups}))
+        calls.append((algo, memory is not None, kw["cross_temporal"], {g["kind"] for g in groups}))
         return real(groups, algo, memory, **kw)
 
     # The issue's definitions: baselines explore only; the ablations are tigpo with 0 revisit
     # slots (persistent graph alone) and tigpo with cross_temporal=False.
     assert credit.METHODS["tigpo-graph-only"] == dict(credit.METHODS["tigpo"], revisit=False)
     assert credit.METHODS["tigpo-no-ct"] == dict(credit.METHODS["tigpo"], cross_temporal=False)
-    assert credit.METHODS["tigpo"] == dict(algo="tigpo", memory=True, revisit=True,
-                                           cross_temporal=True)
+    assert credit.METHODS["tigpo"] == dict(
+        algo="tigpo", memory=True, revisit=True, cross_temporal=True
+    )
     for base in ("grpo", "gigpo", "graphgpo"):
         assert credit.METHODS[base]["algo"] == base
         assert not credit.METHODS[base]["memory"] and not credit.METHODS[base]["revisit"]

@@ -2,6 +2,7 @@
 every sample; a 2-rank run trains, logs once, keeps replicas identical, checkpoints and resumes;
 the advantages each rank's loss sees are compute_advantages' on the gathered batch; a rank that
 dies stops the job with the rank named, and --resume continues."""
+
 import json
 import os
 import signal
@@ -11,9 +12,9 @@ import time
 
 import pytest
 import torch
+from test_train_e2e import TINY, read_jsonl
 
 import tigpo
-from test_train_e2e import TINY, read_jsonl
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,8 +27,14 @@ def test_two_ranks_take_the_same_optimizer_steps_as_one_process(tmp_path, mode):
     helper = os.path.join(ROOT, "tests", "dist_grad.py")
     single, double = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")
     subprocess.run([sys.executable, helper, single], check=True, env=ENV, timeout=300, cwd=ROOT)
-    out = subprocess.run(TORCHRUN + [helper, double] + (["--fsdp"] if mode == "fsdp" else []), env=ENV,
-                         timeout=300, cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run(
+        TORCHRUN + [helper, double] + (["--fsdp"] if mode == "fsdp" else []),
+        env=ENV,
+        timeout=300,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     a, b = torch.load(single), torch.load(double)
     assert a["stats"]["optimizer_steps"] == b["stats"]["optimizer_steps"] == 3
@@ -39,59 +46,97 @@ def test_two_ranks_take_the_same_optimizer_steps_as_one_process(tmp_path, mode):
 
 
 def torchrun_train(*argv, check=True):
-    proc = subprocess.run(TORCHRUN + [os.path.join(ROOT, "train.py"), *argv], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        TORCHRUN + [os.path.join(ROOT, "train.py"), *argv],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"torchrun train.py failed:\n{proc.stderr[-4000:]}")
     return proc
 
 
-def test_two_rank_run_logs_once_keeps_replicas_equal_survives_a_dead_rank_and_resumes(tiny_model, alfworld_data,
-                                                                                      tmp_path):
+def test_two_rank_run_logs_once_keeps_replicas_equal_survives_a_dead_rank_and_resumes(
+    tiny_model, alfworld_data, tmp_path
+):
     """A 2-rank run that loses rank 1 after its first checkpoint: the job stops non-zero with the
     rank named; --resume finishes it; rank 0 alone wrote one line per update, the replicas stayed
     identical, and every sample's loss saw compute_advantages' value on the gathered batch."""
     run_dir = str(tmp_path / "run")
-    common = ["--model", tiny_model, "--data-dir", alfworld_data, "--run-dir", run_dir, *TINY, "--minibatch-size", "5"]
-    proc = subprocess.Popen(TORCHRUN + [os.path.join(ROOT, "train.py"), "--updates", "3", *common], cwd=ROOT,
-                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    first = os.path.join(run_dir, "checkpoints", "update_000001")          # renamed into place: whole
+    common = [
+        "--model",
+        tiny_model,
+        "--data-dir",
+        alfworld_data,
+        "--run-dir",
+        run_dir,
+        *TINY,
+        "--minibatch-size",
+        "5",
+    ]
+    proc = subprocess.Popen(
+        TORCHRUN + [os.path.join(ROOT, "train.py"), "--updates", "3", *common],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    first = os.path.join(run_dir, "checkpoints", "update_000001")  # renamed into place: whole
     deadline = time.time() + 600
     while time.time() < deadline and not os.path.isdir(first):
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         time.sleep(0.5)
     ranks = workers_of(proc.pid)
     assert set(ranks) == {0, 1}, ranks
-    os.kill(ranks[1], signal.SIGKILL)                                    # rank 1 dies mid-run
+    os.kill(ranks[1], signal.SIGKILL)  # rank 1 dies mid-run
     _, err = proc.communicate(timeout=600)
     assert proc.returncode != 0, err[-3000:]
     assert "rank: 1" in err or "rank 1" in err, err[-3000:]
     torchrun_train("--resume", "--updates", "3", "--run-dir", run_dir)
     metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-    assert [m["update"] for m in metrics] == [1, 2, 3]                   # rank 0 alone writes, lost work redone
-    assert all(m["replica_drift"] == 0.0 for m in metrics)               # identical weights
+    assert [m["update"] for m in metrics] == [1, 2, 3]  # rank 0 alone writes, lost work redone
+    assert all(m["replica_drift"] == 0.0 for m in metrics)  # identical weights
     assert all(m["num_samples"] > 0 and m["optimizer_steps"] >= 1 for m in metrics)
     with open(os.path.join(run_dir, "checkpoints", "update_000003", "state.json")) as fh:
-        assert len(json.load(fh)["rng_ranks"]) == 2                      # each rank's sampling stream
+        assert len(json.load(fh)["rng_ranks"]) == 2  # each rank's sampling stream
     check_loss_advantages(run_dir)
 
 
 def test_fsdp_run_shards_checkpoints_a_plain_model_and_resumes(tiny_model, alfworld_data, tmp_path):
     run_dir = str(tmp_path / "fsdp")
-    common = ["--model", tiny_model, "--data-dir", alfworld_data, "--run-dir", run_dir, *TINY, "--minibatch-size", "5",
-              "--fsdp", "--precision", "bf16"]
-    # the warm start with a KL term: the reference is the warm-started policy on every rank, copied from
-    # the shards in memory (no rank reads a folder another is still writing)
+    common = [
+        "--model",
+        tiny_model,
+        "--data-dir",
+        alfworld_data,
+        "--run-dir",
+        run_dir,
+        *TINY,
+        "--minibatch-size",
+        "5",
+        "--fsdp",
+        "--precision",
+        "bf16",
+    ]
+    # the warm start with a KL term: the reference is the warm-started policy on every rank, copied
+    # from the shards in memory (no rank reads a folder another is still writing)
     torchrun_train("--updates", "1", *common, "--warmup-epochs", "1")
-    assert os.path.isdir(os.path.join(run_dir, "warmstart"))           # the reference of a resumed run
+    assert os.path.isdir(os.path.join(run_dir, "warmstart"))  # the reference of a resumed run
     torchrun_train("--resume", "--updates", "2", "--run-dir", run_dir)
     metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert [m["update"] for m in metrics] == [1, 2]
     assert all(m["optimizer_steps"] > 1 and m["rollout_logprob_gap"] < 0.05 for m in metrics)
     assert all(m["kl"] is not None and m["kl"] >= 0.0 for m in metrics)
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "checkpoints", "update_000002"))
-    assert model.config.num_hidden_layers == 2                         # gathered: a whole, plain model
+
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.join(run_dir, "checkpoints", "update_000002")
+    )
+    assert model.config.num_hidden_layers == 2  # gathered: a whole, plain model
 
 
 def check_loss_advantages(run_dir):
@@ -101,13 +146,24 @@ def check_loss_advantages(run_dir):
     for rec in read_jsonl(os.path.join(run_dir, "advantages.jsonl")):
         memory = tigpo.GraphMemory()
         memory.load_state_dict(rec["memory"])
-        want = tigpo.compute_advantages(rec["groups"], cfg["algo"], memory, invalid_penalty=cfg["invalid_penalty"],
-                                        graph_gamma=cfg["graph_gamma"], norm=cfg["norm"])
+        want = tigpo.compute_advantages(
+            rec["groups"],
+            cfg["algo"],
+            memory,
+            invalid_penalty=cfg["invalid_penalty"],
+            graph_gamma=cfg["graph_gamma"],
+            norm=cfg["norm"],
+        )
         seen = {(g, j, t): a for g, j, t, a in rec["loss_advantages"]}
-        steps = {(g, j, t) for g, grp in enumerate(want) for j, traj in enumerate(grp) for t in range(len(traj))}
-        assert set(seen) == steps                                        # both ranks' samples, once each
+        steps = {
+            (g, j, t)
+            for g, grp in enumerate(want)
+            for j, traj in enumerate(grp)
+            for t in range(len(traj))
+        }
+        assert set(seen) == steps  # both ranks' samples, once each
         for (g, j, t), a in seen.items():
-            assert a == want[g][j][t], (g, j, t)               # exactly what the sample trained with
+            assert a == want[g][j][t], (g, j, t)  # exactly what the sample trained with
 
 
 def workers_of(pid):
@@ -123,7 +179,11 @@ def workers_of(pid):
                 env = dict(x.split(b"=", 1) for x in fh.read().split(b"\0") if b"=" in x)
         except OSError:
             continue
-        if any(c.endswith(b"train.py") for c in cmd) and b"TORCHELASTIC_RUN_ID" in env and b"RANK" in env \
-                and int(entry) != pid:
+        if (
+            any(c.endswith(b"train.py") for c in cmd)
+            and b"TORCHELASTIC_RUN_ID" in env
+            and b"RANK" in env
+            and int(entry) != pid
+        ):
             out[int(env[b"RANK"])] = int(entry)
     return out

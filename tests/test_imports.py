@@ -1,35 +1,49 @@
-"""The modules' imports run one way: no cycle among the project's modules (imports inside functions
-count too), and the shared vocabulary (textenv) and WebShop work on a machine without ALFWorld."""
+"""The shape a reader relies on: a one-GPU run loads train.py, tigpo.py and envs.py and nothing
+else of the project; the opt-in modules of extras/ are imported only inside the functions that
+need them; the module-level imports run one way (tigpo is a leaf); the top level holds the six
+pieces plus a few entries; WebShop and the prompt work on a machine without ALFWorld."""
+
 import ast
 import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("environments", "trainer", "tools")
-# Every project module by its import name: top-level files and the modules of the packages.
+# Every project module by its import name: the top-level files and extras/.
 FILES = {f[:-3]: f for f in os.listdir(ROOT) if f.endswith(".py")}
-FILES.update({f"{pkg}.{f[:-3]}": os.path.join(pkg, f) for pkg in PACKAGES
-              for f in os.listdir(os.path.join(ROOT, pkg)) if f.endswith(".py") and f != "__init__.py"})
-MODULES = sorted(FILES)
+FILES.update(
+    {
+        f"extras.{f[:-3]}": os.path.join("extras", f)
+        for f in os.listdir(os.path.join(ROOT, "extras"))
+        if f.endswith(".py") and f != "__init__.py"
+    }
+)
 
 
-def imports_of(module):
+def imports_of(module, top_level_only):
+    """The project modules `module` imports (at module level only, or anywhere)."""
     with open(os.path.join(ROOT, FILES[module])) as fh:
         tree = ast.parse(fh.read())
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
     found = set()
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
-            found |= {f"{node.module}.{a.name}" for a in node.names}   # from pkg import module
+            found |= {f"{node.module}.{a.name}" for a in node.names}  # from pkg import module
     return {m for m in found if m in FILES} - {module}
 
 
-def test_the_project_import_graph_has_no_cycle():
-    graph = {m: imports_of(m) for m in MODULES}
-    assert graph["tigpo"] == set() and graph["environments.textenv"] == set()   # the two leaves copiers take
+def test_module_level_imports_run_one_way_and_extras_are_entered_lazily():
+    graph = {m: imports_of(m, top_level_only=True) for m in FILES}
+    assert graph["tigpo"] == set()  # the core copiers take: standard library only
+    assert graph["envs"] == set()
+    assert graph["train"] == {"envs", "tigpo"}
+    lazy = imports_of("train", top_level_only=False) - graph["train"]
+    assert lazy and all(m.startswith("extras.") for m in lazy), lazy
     state = {}
 
     def visit(m, path):
@@ -41,8 +55,41 @@ def test_the_project_import_graph_has_no_cycle():
             visit(n, path + [m])
         state[m] = "done"
 
-    for m in MODULES:
+    for m in FILES:
         visit(m, [])
+
+
+LOADED = """
+import runpy, sys
+sys.argv = ["train.py"] + sys.argv[1:]
+try:
+    runpy.run_path("train.py", run_name="__main__")
+finally:
+    project = {"train", "tigpo", "envs", "extras", "bench", "evaluate"}
+    loaded = sorted(m for m in sys.modules if m.split(".")[0] in project)
+    print("LOADED", ",".join(loaded))
+"""
+
+
+@pytest.mark.slow
+def test_a_one_gpu_run_loads_only_train_tigpo_and_envs(tiny_model, alfworld_data, tmp_path):
+    """One update, HF engine, a local model, given games: the project modules in the process."""
+    argv = ["--model", tiny_model, "--data-dir", alfworld_data, "--updates", "1"]
+    argv += ["--run-dir", str(tmp_path / "run"), "--num-groups", "1", "--group-size", "2"]
+    argv += ["--max-steps", "2", "--max-new-tokens", "8", "--num-env-workers", "1"]
+    argv += ["--task-types", "all", "--max-receptacles", "0", "--warmup-epochs", "0"]
+    argv += ["--eval-every", "0"]
+    out = subprocess.run(
+        [sys.executable, "-c", LOADED, *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("LOADED"))
+    assert set(line.split()[1].split(",")) == {"tigpo", "envs"}, line  # train.py is __main__
 
 
 BLOCKER = """
@@ -56,27 +103,41 @@ sys.meta_path.insert(0, Blocker())
 
 
 def test_webshop_and_the_prompt_work_without_alfworld():
-    code = BLOCKER + """
-from environments import textenv, webshop
+    code = (
+        BLOCKER
+        + """
+import envs
+from extras import webshop
 try:
     import alfworld
     raise SystemExit('the blocker did not block alfworld')
 except ImportError:
     pass
 assert not any(m.split('.')[0] in ('alfworld', 'textworld') for m in sys.modules)
-prompt = textenv.build_prompt('buy shoes', [], 'WebShop [SEP] Search', ['search[<query>]'], 'webshop', 'action')
+prompt = envs.build_prompt('buy shoes', [], 'WebShop [SEP] Search', ['search[<query>]'], 'webshop',
+                           'action')
 assert '<action>search[<query>]</action>' in prompt
-assert textenv.parse_action(textenv.ACTION_PREFILL + 'search[red shoes]</action>') == 'search[red shoes]'
+assert envs.parse_action(envs.ACTION_PREFILL + 'search[red shoes]</action>') == 'search[red shoes]'
 env = webshop.WebShopEnv(url='http://127.0.0.1:9', split='test', num_goals=520)
 assert env.tasks[0] == 'webshop/0'
 print('ok')
 """
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
-def test_the_top_level_holds_only_what_a_user_runs_or_copies():
-    """The core, the envs, the trainer and the entry points; the rest lives in the packages."""
-    top = sorted(f for f in os.listdir(ROOT) if f.endswith(".py"))
-    assert len(top) <= 5, top
-    assert {"tigpo.py", "envs.py", "train.py"} <= set(top), top
+def ignored(name):
+    """True for what .gitignore covers (runs/, plots, caches): not part of the project."""
+    out = subprocess.run(["git", "check-ignore", "-q", name], cwd=ROOT, capture_output=True)
+    return out.returncode == 0
+
+
+def test_the_top_level_holds_the_six_pieces_and_at_most_four_more():
+    shown = {f for f in os.listdir(ROOT) if not f.startswith(".") and not ignored(f)}
+    core = {"tigpo.py", "envs.py", "train.py", "tests", "requirements.txt", "README.md"}
+    assert core <= shown, core - shown
+    more = shown - core - {"docs", "pyproject.toml"}
+    assert len(more) <= 4, sorted(more)

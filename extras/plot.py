@@ -1,16 +1,17 @@
-"""plot.py: the curves of one or more runs, from their metrics.jsonl alone.
+"""extras/plot.py: the curves of one or more runs, from their metrics.jsonl alone.
 
-    python tools/plot.py runs/alfworld-tigpo-seed0           # -> runs/alfworld-tigpo-seed0/plots.png, .svg
-    python tools/plot.py runs/alfworld-tigpo-seed0 runs/alfworld-grpo-seed0   # -> runs/plots.png, .svg
-    python tools/plot.py runs/alfworld-* --out fig/alfworld  # -> fig/alfworld.png, fig/alfworld.svg
+    python extras/plot.py runs/alfworld-tigpo-seed0     # -> runs/alfworld-tigpo-seed0/plots.png
+    python extras/plot.py runs/alfworld-tigpo-seed0 runs/alfworld-grpo-seed0   # -> runs/plots.png
+    python extras/plot.py runs/alfworld-* --out fig/alfworld  # -> fig/alfworld.png, .svg
 
-Where the figure goes: next to the run. One run: into its folder (<run>/plots.png and <run>/plots.svg);
-several runs: into the folder that holds the first of them (runs/plots.png for runs/A runs/B). --out
-PATH (without extension) writes PATH.png and PATH.svg instead.
+Where the figure goes: next to the run. One run: into its folder (<run>/plots.png and
+<run>/plots.svg); several runs: into the folder that holds the first of them (runs/plots.png for
+runs/A runs/B). --out PATH (without extension) writes PATH.png and PATH.svg instead.
 
 The figure is the same 3 x 3 grid for every set of runs, so two figures compare panel by panel:
 
-    training success rate | eval success on the training games | held-out success (other eval splits)
+    training success rate | eval success on the training games | held-out success (other eval
+    splits)
     valid-action ratio    | KL(pi || ref), per token            | zero-advantage fraction
     graph memory size     | graph hit rates (task, state)       | distinct actions per update
 
@@ -20,11 +21,12 @@ algorithm and labelled by algorithm and seed (from config.json); when several ru
 algorithm, their mean is drawn bold with a +-1 std band. Eval curves (a few points: before training
 and every --eval-every updates) are markers, one shape per split, joined by a dotted line only when
 a series has at least DENSE points; each point has its 95% Wilson interval when metrics.jsonl has
-eval/<split>/episodes (no bars without it); series are nudged sideways so equal values (two splits at 0) stay visible;
-several runs of an algorithm: faint markers per run and their mean, bold, with +-1 std across runs.
-A run that is still training can be plotted (a half-written last line is skipped). Needs matplotlib
-(in requirements.txt).
+eval/<split>/episodes (no bars without it); series are nudged sideways so equal values (two splits
+at 0) stay visible; several runs of an algorithm: faint markers per run and their mean, bold, with
++-1 std across runs. A run that is still training can be plotted (a half-written last line is
+skipped). Needs matplotlib (in requirements.txt).
 """
+
 import argparse
 import json
 import math
@@ -32,30 +34,39 @@ import os
 import sys
 from collections import defaultdict
 
-# (title, metric keys drawn in the panel; a trailing * matches a family, keys after "-" are left out,
-#  whether the values are rates in [0, 1], the note when no run logged the panel's keys)
+# (title, metric keys drawn in the panel; a trailing * matches a family, keys after "-" are left
+# out, whether the values are rates in [0, 1], the note when no run logged the panel's keys)
 PANELS = [
     ("training success rate", ["success_rate"], True, "no training success logged"),
-    ("eval success on the training games", ["eval/train/success_rate"], True,
-     "no eval on the training games\n(--eval-splits has no train)"),
-    ("held-out success", ["eval/*/success_rate", "-eval/train/success_rate"], True,
-     "no held-out eval in these runs"),
+    (
+        "eval success on the training games",
+        ["eval/train/success_rate"],
+        True,
+        "no eval on the training games\n(--eval-splits has no train)",
+    ),
+    (
+        "held-out success",
+        ["eval/*/success_rate", "-eval/train/success_rate"],
+        True,
+        "no held-out eval in these runs",
+    ),
     ("valid-action ratio", ["valid_action_ratio"], True, "no valid-action ratio logged"),
-    ("KL(pi || ref), per token", ["kl"], False, None),   # note: see kl_note
+    ("KL(pi || ref), per token", ["kl"], False, None),  # note: see kl_note
     ("zero-advantage fraction", ["zero_adv_frac"], True, "no zero-advantage fraction logged"),
     ("graph memory size", ["graph_nodes", "graph_edges"], False, "no graph memory metrics logged"),
     ("graph hit rates", ["task_hit_rate", "state_hit_rate"], True, "no graph hit rates logged"),
     ("distinct actions per update", ["distinct_actions"], False, "no distinct-action count logged"),
 ]
 COLS = 3
-DENSE = 8                                   # eval series with at least this many points get a line
-MARKERS = ["o", "s", "^", "D", "v", "P"]    # one per eval split, the same in every panel
-STYLES = ["-", "--", ":", "-."]             # one per key of a per-update panel
+DENSE = 8  # eval series with at least this many points get a line
+MARKERS = ["o", "s", "^", "D", "v", "P"]  # one per eval split, the same in every panel
+STYLES = ["-", "--", ":", "-."]  # one per key of a per-update panel
 Z95 = 1.959964
 
 
 def read_run(folder):
-    """{label, algo, config, series: {metric: [(update, value), ...]}, nulls: {metric logged as null}}
+    """{label, algo, config, series: {metric: [(update, value), ...]}, nulls: {metric logged as
+    null}}
     of one run folder."""
     path = os.path.join(folder, "metrics.jsonl")
     if not os.path.exists(path):
@@ -69,18 +80,28 @@ def read_run(folder):
         for line in fh:
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError:   # a run still writing its last line
+            except json.JSONDecodeError:  # a run still writing its last line
                 continue
             for key, value in row.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "update":
+                if (
+                    isinstance(value, (int, float))
+                    and not isinstance(value, bool)
+                    and key != "update"
+                ):
                     series[key].append((row["update"], float(value)))
                 elif value is None:
                     nulls.add(key)
     name = os.path.basename(os.path.normpath(folder))
     algo = config.get("algo", name)
     label = f"{algo} seed {config['seed']}" if "seed" in config else name
-    return {"folder": folder, "label": label, "algo": algo, "config": config, "series": dict(series),
-            "nulls": nulls - set(series)}
+    return {
+        "folder": folder,
+        "label": label,
+        "algo": algo,
+        "config": config,
+        "series": dict(series),
+        "nulls": nulls - set(series),
+    }
 
 
 def wilson(p, n, z=Z95):
@@ -90,7 +111,7 @@ def wilson(p, n, z=Z95):
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z / (1 + z * z / n) * math.sqrt(max(p * (1 - p) / n + z * z / (4 * n * n), 0.0))
     lo, hi = max(0.0, centre - half), min(1.0, centre + half)
-    return 0.0 if p <= 0 else lo, 1.0 if p >= 1 else hi   # exact at the ends (rounding aside)
+    return 0.0 if p <= 0 else lo, 1.0 if p >= 1 else hi  # exact at the ends (rounding aside)
 
 
 def panel_keys(patterns, runs):
@@ -100,8 +121,14 @@ def panel_keys(patterns, runs):
             drop.add(pattern[1:])
         elif "*" in pattern:
             head, tail = pattern.split("*")
-            keys += sorted({k for r in runs for k in r["series"] if k.startswith(head) and k.endswith(tail)
-                            and len(k) > len(head) + len(tail)})
+            keys += sorted(
+                {
+                    k
+                    for r in runs
+                    for k in r["series"]
+                    if k.startswith(head) and k.endswith(tail) and len(k) > len(head) + len(tail)
+                }
+            )
         else:
             keys.append(pattern)
     return [k for k in keys if k not in drop]
@@ -130,17 +157,20 @@ def default_out(folders):
 def make_figure(runs):
     """The figure of the runs (read_run's dicts): a matplotlib Figure, PANELS in a COLS-wide grid.
     Each Axes has the panel's title; an empty panel has one text saying why."""
+    import numpy as np
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
-    import numpy as np
+
     by_algo = defaultdict(list)
     for run in runs:
         by_algo[run["algo"]].append(run)
     colors = {algo: f"C{i}" for i, algo in enumerate(by_algo)}
-    splits = sorted({split_of(k) for r in runs for k in r["series"] if split_of(k)},
-                    key=lambda s: (s != "train", s))
+    splits = sorted(
+        {split_of(k) for r in runs for k in r["series"] if split_of(k)},
+        key=lambda s: (s != "train", s),
+    )
     marker = {s: MARKERS[i % len(MARKERS)] for i, s in enumerate(splits)}
-    hollow = {s: i % 2 == 1 for i, s in enumerate(splits)}   # alternate filled and hollow shapes
+    hollow = {s: i % 2 == 1 for i, s in enumerate(splits)}  # alternate filled and hollow shapes
     updates = [x for r in runs for points in r["series"].values() for x, _ in points]
     x_lo, x_hi = (min(updates), max(updates)) if updates else (0, 1)
     pad = 0.04 * max(x_hi - x_lo, 1) + 0.3
@@ -156,13 +186,21 @@ def make_figure(runs):
         if rate:
             ax.set_ylim(-0.04, 1.04)
         if not keys:
-            ax.text(0.5, 0.5, note or kl_note(runs), transform=ax.transAxes, ha="center", va="center",
-                    fontsize=9, color="0.35")
+            ax.text(
+                0.5,
+                0.5,
+                note or kl_note(runs),
+                transform=ax.transAxes,
+                ha="center",
+                va="center",
+                fontsize=9,
+                color="0.35",
+            )
             ax.set_xticks([])
             ax.set_yticks([])
             ax.set_xlabel("")
             continue
-        ax.set_xlim(x_lo - pad, x_hi + pad)       # the same updates under every panel
+        ax.set_xlim(x_lo - pad, x_hi + pad)  # the same updates under every panel
         legend_title = None
         if split_of(keys[0]):
             legend_title = draw_eval(ax, keys, by_algo, colors, marker, hollow, np, x_hi - x_lo)
@@ -170,9 +208,12 @@ def make_figure(runs):
             draw_per_update(ax, keys, by_algo, colors, np)
         if title.startswith("KL") and any("kl" in r["nulls"] for r in runs):
             legend_title = "no KL term (--kl-coef 0): " + ", ".join(
-                algo if all("kl" in r["nulls"] for r in members) and len(members) > 1 else
-                ", ".join(r["label"] for r in members if "kl" in r["nulls"])
-                for algo, members in by_algo.items() if any("kl" in r["nulls"] for r in members))
+                algo
+                if all("kl" in r["nulls"] for r in members) and len(members) > 1
+                else ", ".join(r["label"] for r in members if "kl" in r["nulls"])
+                for algo, members in by_algo.items()
+                if any("kl" in r["nulls"] for r in members)
+            )
         legend = ax.legend(fontsize=7, title=legend_title, title_fontsize=7)
         legend.get_title().set_color("0.3")
     names = [os.path.basename(os.path.normpath(r["folder"])) for r in runs]
@@ -192,7 +233,8 @@ def run_label(run, index, members, mean_xs, suffix):
 
 
 def draw_per_update(ax, keys, by_algo, colors, np):
-    """One thin line per run; several runs of an algorithm: their mean, bold, with a +-1 std band."""
+    """One thin line per run; several runs of an algorithm: their mean, bold, with a +-1 std
+    band."""
     for k_index, key in enumerate(keys):
         style = STYLES[k_index % len(STYLES)]
         suffix = f" {key}" if len(keys) > 1 else ""
@@ -203,30 +245,57 @@ def draw_per_update(ax, keys, by_algo, colors, np):
             mean_xs = sorted(set.intersection(*(set(c) for c in curves))) if len(curves) > 1 else []
             for i, r in enumerate(members):
                 xs, ys = zip(*r["series"][key])
-                ax.plot(xs, ys, style, color=color, alpha=0.35 if len(curves) > 1 else 1.0, lw=1,
-                        marker="o" if len(xs) <= 20 else None, ms=5 if len(xs) == 1 else 2.5,
-                        label=run_label(r, i, members, mean_xs, suffix))
+                ax.plot(
+                    xs,
+                    ys,
+                    style,
+                    color=color,
+                    alpha=0.35 if len(curves) > 1 else 1.0,
+                    lw=1,
+                    marker="o" if len(xs) <= 20 else None,
+                    ms=5 if len(xs) == 1 else 2.5,
+                    label=run_label(r, i, members, mean_xs, suffix),
+                )
             if len(curves) > 1:
                 xs = mean_xs
                 if xs:
                     values = np.array([[c[x] for x in xs] for c in curves])
                     mean, std = values.mean(0), values.std(0)
-                    ax.plot(xs, mean, style, color=color, lw=2.2,
-                            label=f"{algo} (mean of {len(curves)}){suffix}")
+                    ax.plot(
+                        xs,
+                        mean,
+                        style,
+                        color=color,
+                        lw=2.2,
+                        label=f"{algo} (mean of {len(curves)}){suffix}",
+                    )
                     ax.fill_between(xs, mean - std, mean + std, color=color, alpha=0.15)
 
 
 def draw_eval(ax, keys, by_algo, colors, marker, hollow, np, xrange_):
     """Markers per (split, algorithm), nudged sideways; 95% Wilson bars when episodes are logged.
     Returns the legend's title (what the bars mean), or None."""
-    groups = [(key, algo) for key in keys for algo, members in by_algo.items()
-              if any(key in r["series"] for r in members)]
-    xs_all = sorted({x for _, members in by_algo.items() for r in members for key in keys
-                     for x, _ in r["series"].get(key, [])})
+    groups = [
+        (key, algo)
+        for key in keys
+        for algo, members in by_algo.items()
+        if any(key in r["series"] for r in members)
+    ]
+    xs_all = sorted(
+        {
+            x
+            for _, members in by_algo.items()
+            for r in members
+            for key in keys
+            for x, _ in r["series"].get(key, [])
+        }
+    )
     gaps = [b - a for a, b in zip(xs_all, xs_all[1:]) if b > a]
     # Nudge between neighbouring series: 3.5% of the x range (about a marker), and all the nudges
     # together at most 30% of the closest gap between two evals.
-    step = min(0.035 * max(xrange_, 1.0), 0.3 * (min(gaps) if gaps else 1.0) / max(len(groups) - 1, 1))
+    step = min(
+        0.035 * max(xrange_, 1.0), 0.3 * (min(gaps) if gaps else 1.0) / max(len(groups) - 1, 1)
+    )
     means = 0
     for g, (key, algo) in enumerate(groups):
         offset = (g - (len(groups) - 1) / 2) * step
@@ -242,41 +311,75 @@ def draw_eval(ax, keys, by_algo, colors, marker, hollow, np, xrange_):
             xs, ys = zip(*r["series"][key])
             episodes = dict(r["series"].get(episodes_key, []))
             yerr = None
-            if all(x in episodes for x in xs):       # eval/<split>/episodes logged: 95% Wilson interval
+            if all(x in episodes for x in xs):  # eval/<split>/episodes logged: 95% Wilson interval
                 bounds = [wilson(y, episodes[x]) for x, y in zip(xs, ys)]
-                yerr = [[max(y - lo, 0.0) for y, (lo, _) in zip(ys, bounds)],
-                        [max(hi - y, 0.0) for y, (_, hi) in zip(ys, bounds)]]
+                yerr = [
+                    [max(y - lo, 0.0) for y, (lo, _) in zip(ys, bounds)],
+                    [max(hi - y, 0.0) for y, (_, hi) in zip(ys, bounds)],
+                ]
             several = len(members) > 1
-            ax.errorbar([x + offset for x in xs], ys, yerr=yerr, color=color,
-                        ls=":" if len(xs) >= DENSE else "none", lw=1, ms=4 if several else 6,
-                        capsize=0 if several else 2, elinewidth=0.7 if several else 0.9,
-                        alpha=0.35 if several else 1.0, label=run_label(r, i, members, mean_xs, suffix), **shape)
+            ax.errorbar(
+                [x + offset for x in xs],
+                ys,
+                yerr=yerr,
+                color=color,
+                ls=":" if len(xs) >= DENSE else "none",
+                lw=1,
+                ms=4 if several else 6,
+                capsize=0 if several else 2,
+                elinewidth=0.7 if several else 0.9,
+                alpha=0.35 if several else 1.0,
+                label=run_label(r, i, members, mean_xs, suffix),
+                **shape,
+            )
         if mean_xs:
             means += 1
             values = np.array([[c[x] for x in mean_xs] for c in curves])
-            ax.errorbar([x + offset for x in mean_xs], values.mean(0), yerr=values.std(0), color=color,
-                        ls=":" if len(mean_xs) >= DENSE else "none", lw=1.5, ms=8, capsize=4, elinewidth=1.6,
-                        label=f"{algo} (mean ± std of {len(curves)}){suffix}", **shape)
-    wilson_bars = any(key.rsplit("/", 1)[0] + "/episodes" in r["series"] for key, algo in groups
-                      for r in by_algo[algo])
-    notes = (["thin bars: 95% Wilson interval per run" if means else "bars: 95% Wilson interval"]
-             if wilson_bars else []) + (["bold: mean, bars ± std over runs"] if means else [])
+            ax.errorbar(
+                [x + offset for x in mean_xs],
+                values.mean(0),
+                yerr=values.std(0),
+                color=color,
+                ls=":" if len(mean_xs) >= DENSE else "none",
+                lw=1.5,
+                ms=8,
+                capsize=4,
+                elinewidth=1.6,
+                label=f"{algo} (mean ± std of {len(curves)}){suffix}",
+                **shape,
+            )
+    wilson_bars = any(
+        key.rsplit("/", 1)[0] + "/episodes" in r["series"]
+        for key, algo in groups
+        for r in by_algo[algo]
+    )
+    notes = (
+        ["thin bars: 95% Wilson interval per run" if means else "bars: 95% Wilson interval"]
+        if wilson_bars
+        else []
+    ) + (["bold: mean, bars ± std over runs"] if means else [])
     return "\n".join(notes) or None
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("runs", nargs="+", help="run folders (each with a metrics.jsonl)")
-    parser.add_argument("--out", default=None, help="output path without extension (default: <run>/plots for "
-                        "one run, plots in the first run's parent folder for several)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="output path without extension (default: <run>/plots for "
+        "one run, plots in the first run's parent folder for several)",
+    )
     a = parser.parse_args(argv)
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        sys.exit("plot.py: error: matplotlib is not installed: pip install matplotlib==3.11.2 "
-                 "(it is in requirements.txt)")
+        sys.exit(
+            "plot.py: error: matplotlib is not installed: pip install matplotlib==3.11.2 "
+            "(it is in requirements.txt)"
+        )
     folders = [f for f in a.runs if os.path.isdir(f) or not os.path.exists(f)]
-    for skipped in sorted(set(a.runs) - set(folders)):      # runs/* also matches runs/plots.png
+    for skipped in sorted(set(a.runs) - set(folders)):  # runs/* also matches runs/plots.png
         print(f"plot.py: skipped {skipped}: a file, not a run folder", file=sys.stderr)
     if not folders:
         sys.exit("plot.py: error: no run folder given")

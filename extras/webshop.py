@@ -1,7 +1,8 @@
-"""webshop.py: the WebShop environment over HTTP (docs/ALGORITHM.md "Environments"). Talks with
-`requests` to WebShop's own Flask server (princeton-nlp/WebShop, web_agent_site/app.py, port 3000),
-the way the ReAct WebShop experiments did, and gives it the ALFWorld env API of envs.py:
-`tasks`, `reset(task) -> (obs, info)`, `step(text) -> (obs, reward, done, info)`, `close()`.
+"""extras/webshop.py: the WebShop environment over HTTP (docs/ALGORITHM.md "Environments"). Talks
+with `requests` to WebShop's own Flask server (princeton-nlp/WebShop, web_agent_site/app.py, port
+3000), the way the ReAct WebShop experiments did, and gives it the ALFWorld env API of envs.py
+(envs.make_env("webshop") imports this module): `tasks`, `reset(task) -> (obs, info)`,
+`step(text) -> (obs, reward, done, info)`, `close()`.
 
 What mirrors the real app: the five routes and their argument formats (URL building below), the
 page structure the parser relies on (ids `instruction-text`, `search_input`, `reward`; `<button>`s,
@@ -10,6 +11,7 @@ page structure the parser relies on (ids `instruction-text`, `search_input`, `re
 formats, invalid-step handling and the retry policy. The real pages keep no navigation state on the
 server (everything is in the URL), so the K parallel rollouts of one goal can share its session.
 """
+
 import json
 import random
 import re
@@ -19,21 +21,25 @@ from urllib.parse import quote
 
 import requests
 
-from environments.textenv import SUCCESS_REWARD, TaskError, normalize_action
+from envs import SUCCESS_REWARD, TaskError, normalize_action
 
-NUM_GOALS = 12087   # WebShop's human instructions (paper: 10,587 train + 1,000 dev + 500 test)
-TEST_GOALS = 500    # goals 0-499: the standard test set; 500+: training (verl-agent, GiGPO)
+NUM_GOALS = 12087  # WebShop's human instructions (paper: 10,587 train + 1,000 dev + 500 test)
+TEST_GOALS = 500  # goals 0-499: the standard test set; 500+: training (verl-agent, GiGPO)
 SUB_PAGES = ("Description", "Features", "Reviews", "Attributes")  # engine.ACTION_TO_TEMPLATE
-START_HINT = ("start it in a WebShop checkout with ./run_dev.sh (or python -m web_agent_site.app "
-              "--log --attrs), or point --webshop-url at a running one")
+START_HINT = (
+    "start it in a WebShop checkout with ./run_dev.sh (or python -m web_agent_site.app "
+    "--log --attrs), or point --webshop-url at a running one"
+)
 
 
 # The real app's routes (app.py) and their arguments after the session, in URL order.
-ROUTES = {"index": (),
-          "search_results": ("keywords", "page"),
-          "item_page": ("asin", "keywords", "page", "options"),
-          "item_sub_page": ("asin", "keywords", "page", "sub_page", "options"),
-          "done": ("asin", "options")}
+ROUTES = {
+    "index": (),
+    "search_results": ("keywords", "page"),
+    "item_page": ("asin", "keywords", "page", "options"),
+    "item_sub_page": ("asin", "keywords", "page", "sub_page", "options"),
+    "done": ("asin", "options"),
+}
 
 
 def _at(route, current, **changes):
@@ -61,22 +67,36 @@ class WebShopUnreachable(requests.exceptions.ConnectionError, ConnectionError):
 # an end tag pops the stack down to its opener and a stray one is ignored.
 # ---------------------------------------------------------------------------------------------
 
-_VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source",
-         "track", "wbr"}
+_VOID = {
+    "area",
+    "base",
+    "br",
+    "col",
+    "embed",
+    "hr",
+    "img",
+    "input",
+    "link",
+    "meta",
+    "source",
+    "track",
+    "wbr",
+}
 _INVISIBLE = {"script", "style", "head", "title", "template", "noscript"}
 _ACTION_RE = re.compile(r"\s*(search|click)\s*\[(.*)\]\s*", re.DOTALL | re.IGNORECASE)
-_SCORE_RE = re.compile(r"score\s*(?:\([^)]*\))?\s*:?\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?)",
-                       re.IGNORECASE)
+_SCORE_RE = re.compile(
+    r"score\s*(?:\([^)]*\))?\s*:?\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?)", re.IGNORECASE
+)
 
 
 class _Page(HTMLParser):
     def __init__(self, html):
         super().__init__(convert_charrefs=True)
-        self.chunks = []          # [(text, kind)], kind: "text" | "button" | "product" | "label"
-        self.radios = {}          # option value -> option name (the radio group)
+        self.chunks = []  # [(text, kind)], kind: "text" | "button" | "product" | "label"
+        self.radios = {}  # option value -> option name (the radio group)
         self.has_search = False
         self.instruction, self.reward_text = [], []
-        self._stack = []          # [(tag, attrs, hidden)]
+        self._stack = []  # [(tag, attrs, hidden)]
         self._query_seen = False
         self.feed(html)
         self.close()
@@ -89,19 +109,22 @@ class _Page(HTMLParser):
             self.has_search = True
         if tag in _VOID:
             return
-        hidden = ((self._stack and self._stack[-1][2]) or "hidden" in a
-                  or "display:none" in a.get("style", "").replace(" ", "").lower())
+        hidden = (
+            (self._stack and self._stack[-1][2])
+            or "hidden" in a
+            or "display:none" in a.get("style", "").replace(" ", "").lower()
+        )
         self._stack.append((tag, a, bool(hidden)))
 
     def handle_startendtag(self, tag, attrs):
         self.handle_starttag(tag, attrs)
-        if tag not in _VOID and self._stack:   # `<div/>` opens nothing
+        if tag not in _VOID and self._stack:  # `<div/>` opens nothing
             self._stack.pop()
 
     def handle_endtag(self, tag):
         tags = [t for t, _, _ in self._stack]
         if tag in tags:
-            del self._stack[len(tags) - 1 - tags[::-1].index(tag):]
+            del self._stack[len(tags) - 1 - tags[::-1].index(tag) :]
 
     def handle_data(self, data):
         text = " ".join(data.split())
@@ -112,16 +135,17 @@ class _Page(HTMLParser):
             self.reward_text.append(text)
         if self._stack and self._stack[-1][2]:
             return
-        if "instruction-text" in ids:   # "Instruction: <goal>", then "Current Query: ..."
+        if "instruction-text" in ids:  # "Instruction: <goal>", then "Current Query: ..."
             self._query_seen = self._query_seen or text.startswith("Current Query")
             if not self._query_seen:
                 self.instruction.append(text)
         kind = "text"
-        for tag, a, _ in reversed(self._stack):   # the innermost clickable element decides
+        for tag, a, _ in reversed(self._stack):  # the innermost clickable element decides
             if tag == "button":
                 kind = "button"
-            elif tag == "a" and ("product-link" in a.get("class", "").split()
-                                 or "item_page/" in a.get("href", "")):
+            elif tag == "a" and (
+                "product-link" in a.get("class", "").split() or "item_page/" in a.get("href", "")
+            ):
                 kind = "product"
             elif tag == "label":
                 kind = "label"
@@ -132,7 +156,7 @@ class _Page(HTMLParser):
 
     def goal(self):
         text = " ".join(self.instruction).strip()
-        return text[len("Instruction:"):].strip() if text.startswith("Instruction:") else text
+        return text[len("Instruction:") :].strip() if text.startswith("Instruction:") else text
 
     def score(self):
         """The done page's score (0-1), or None when the page shows none."""
@@ -144,6 +168,7 @@ class _Page(HTMLParser):
 # ---------------------------------------------------------------------------------------------
 # The environment.
 # ---------------------------------------------------------------------------------------------
+
 
 class WebShopEnv:
     """One WebShop episode at a time against a running server. Constructing it does no I/O (the
@@ -159,8 +184,18 @@ class WebShopEnv:
     only drives reset(None), which draws a goal of `tasks`.
     """
 
-    def __init__(self, url="http://127.0.0.1:3000", split="train", max_steps=15, seed=0,
-                 num_goals=NUM_GOALS, timeout=30.0, connect_timeout=3.0, retries=2, backoff=0.25):
+    def __init__(
+        self,
+        url="http://127.0.0.1:3000",
+        split="train",
+        max_steps=15,
+        seed=0,
+        num_goals=NUM_GOALS,
+        timeout=30.0,
+        connect_timeout=3.0,
+        retries=2,
+        backoff=0.25,
+    ):
         if split == "train":
             indices = range(TEST_GOALS, num_goals)
         elif split == "test":
@@ -168,11 +203,14 @@ class WebShopEnv:
         else:
             raise ValueError(f"WebShop split must be 'train' or 'test', got {split!r}")
         if not indices:
-            raise ValueError(f"num_goals={num_goals} leaves no {split} goals (train uses goals "
-                             f"{TEST_GOALS}+)")
+            raise ValueError(
+                f"num_goals={num_goals} leaves no {split} goals (train uses goals {TEST_GOALS}+)"
+            )
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"WebShop url must start with http:// or https://, got {url!r} "
-                             f"(the real server: http://127.0.0.1:3000)")
+            raise ValueError(
+                f"WebShop url must start with http:// or https://, got {url!r} "
+                f"(the real server: http://127.0.0.1:3000)"
+            )
         self.url, self.split, self.max_steps = url.rstrip("/"), split, max_steps
         self.num_goals = num_goals
         self.timeout, self.connect_timeout = timeout, connect_timeout
@@ -180,7 +218,7 @@ class WebShopEnv:
         self.tasks = [f"webshop/{i}" for i in indices]
         self._rng = random.Random(seed)
         self._http = requests.Session()
-        self._page = None   # the current page: {"route": ..., **its ROUTES arguments}
+        self._page = None  # the current page: {"route": ..., **its ROUTES arguments}
         self._obs, self._clickables, self._has_search = "", {}, False
         self._steps, self._done, self.goal = 0, True, ""
 
@@ -194,8 +232,11 @@ class WebShopEnv:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             try:
                 resp = self._http.get(url, timeout=(self.connect_timeout, self.timeout))
-            except (requests.ConnectionError, requests.Timeout,
-                    requests.exceptions.ChunkedEncodingError) as err:
+            except (
+                requests.ConnectionError,
+                requests.Timeout,
+                requests.exceptions.ChunkedEncodingError,
+            ) as err:
                 failure = f"{type(err).__name__}: {err}"
                 slow = isinstance(err, requests.ReadTimeout)
                 continue
@@ -204,11 +245,16 @@ class WebShopEnv:
             failure = f"HTTP {resp.status_code}"
         if failure.startswith("HTTP"):
             return resp
-        fix = (f"the real app loads its products on its first request (minutes for the full set): "
-               f"call webshop.warm_up(url) once first, or raise timeout={self.timeout}"
-               if slow else START_HINT)
-        raise WebShopUnreachable(f"no WebShop server answers at {self.url} ({self.retries + 1} tries, "
-                                 f"last: {failure.split(':')[0]}): {fix}")
+        fix = (
+            f"the real app loads its products on its first request (minutes for the full set): "
+            f"call webshop.warm_up(url) once first, or raise timeout={self.timeout}"
+            if slow
+            else START_HINT
+        )
+        raise WebShopUnreachable(
+            f"no WebShop server answers at {self.url} ({self.retries + 1} tries, "
+            f"last: {failure.split(':')[0]}): {fix}"
+        )
 
     def _path(self, page):
         """The real app's URL of a page: /<route>/<session>/<args in ROUTES order>, or /<session>
@@ -242,16 +288,18 @@ class WebShopEnv:
                 nxt = _at(route, page, page=page["page"] + 1)
             elif label in ("< prev", "< back to results", "< back to item page"):
                 # one label set for "go back one level", as the text env treats "< Prev"
-                nxt = {"search_results": _at(route, page, page=max(1, page["page"] - 1)),
-                       "item_page": _at("search_results", page),
-                       "item_sub_page": _at("item_page", page)}.get(route)
+                nxt = {
+                    "search_results": _at(route, page, page=max(1, page["page"] - 1)),
+                    "item_page": _at("search_results", page),
+                    "item_sub_page": _at("item_page", page),
+                }.get(route)
             elif label in sub_pages and route == "item_page":
                 nxt = _at("item_sub_page", page, sub_page=sub_pages[label])
             elif label == "buy now" and route == "item_page":
                 nxt = _at("done", page)
             if nxt is not None:
                 out[label] = (nxt, kind == "label" and label in chosen)
-        for label, (name, value) in radios.items():   # a radio with no <label>: still clickable
+        for label, (name, value) in radios.items():  # a radio with no <label>: still clickable
             if route == "item_page" and label not in out:
                 nxt = _at("item_page", page, options={**options, name: value})
                 out[label] = (nxt, label in chosen)
@@ -266,7 +314,7 @@ class WebShopEnv:
             return None, f"the server answered HTTP {resp.status_code} for {resp.url}"
         try:
             parsed = _Page(resp.text)
-        except AssertionError as err:   # html.parser's way to reject some malformed markup
+        except AssertionError as err:  # html.parser's way to reject some malformed markup
             return None, f"unparsable page at {resp.url} ({err})"
         clickables = self._targets(parsed, page)
         if page["route"] == "done" and parsed.score() is None:
@@ -305,8 +353,15 @@ class WebShopEnv:
         return search + [f"click[{label}]" for label in self._clickables]
 
     def _info(self, **extra):
-        return {"admissible": self._admissible(), "state": self.state_key(self._page),
-                "task_type": "webshop", "goal": self.goal, "won": False, "valid": True, **extra}
+        return {
+            "admissible": self._admissible(),
+            "state": self.state_key(self._page),
+            "task_type": "webshop",
+            "goal": self.goal,
+            "won": False,
+            "valid": True,
+            **extra,
+        }
 
     # -- the env API -----------------------------------------------------------------------------
     def reset(self, task=None):
@@ -315,14 +370,19 @@ class WebShopEnv:
         task = self._rng.choice(self.tasks) if task is None else task
         prefix, _, index = str(task).rpartition("/")
         if prefix not in ("", "webshop") or not index.isdigit() or int(index) >= self.num_goals:
-            raise TaskError(f"unknown WebShop task {task!r}: use 'webshop/<goal index>', "
-                                 f"index in 0..{self.num_goals - 1} (num_goals), e.g. env.tasks")
+            raise TaskError(
+                f"unknown WebShop task {task!r}: use 'webshop/<goal index>', "
+                f"index in 0..{self.num_goals - 1} (num_goals), e.g. env.tasks"
+            )
         self._session, self._done = f"fixed_{int(index)}", True
         page = {"route": "index"}
         loaded, error = self._load(page)
-        if error is not None:   # app.py answers 500 (IndexError) for a goal past its list
-            hint = (f"a goal past the server's goal list? then lower num_goals={self.num_goals}"
-                    if "HTTP 500" in error else f"is it a WebShop server? To run one: {START_HINT}")
+        if error is not None:  # app.py answers 500 (IndexError) for a goal past its list
+            hint = (
+                f"a goal past the server's goal list? then lower num_goals={self.num_goals}"
+                if "HTTP 500" in error
+                else f"is it a WebShop server? To run one: {START_HINT}"
+            )
             raise RuntimeError(f"cannot start WebShop goal {index} at {self.url}: {error} ({hint})")
         self._enter(page, *loaded)
         self.goal, self._steps, self._done = loaded[0].goal(), 0, False
@@ -353,7 +413,8 @@ class WebShopEnv:
             target = self._clickables.get(normalize_action(match.group(2)))
             if target is None:
                 error = f"nothing to click called {match.group(2)!r} on this page" + (
-                    "; to search, write search[your query]" if self._has_search else "")
+                    "; to search, write search[your query]" if self._has_search else ""
+                )
             else:
                 nxt = target[0]
         reward, done, extra = 0.0, False, {}

@@ -1,12 +1,15 @@
-"""alfworld_gen.py: offline ALFWorld game generator (docs/ALGORITHM.md "Environments"). Writes games for
-the six ALFRED task types in the official layout, json_2.1.1/<split>/<task>-<obj>-<mrecep>-<recep>-
-<scene>/<trial>/{game.tw-pddl,traj_data.json}, from what the `alfworld` wheel ships: the PDDL domain
-(alfworld/data/alfred.pddl), the text grammar (alfred.twl2), the goal library (alfworld/gen/
-goal_library.py) and the scene layouts (alfworld/gen/layouts/FloorPlan*). The generator knows where
-it put every object, so it writes the winning walkthrough itself; envs.generate_games plays each one
-through the env to check it. The fast-downward planner is never called (minutes per game).
+"""extras/alfworld_gen.py: offline ALFWorld game generator (docs/ALGORITHM.md "Environments").
+Writes games for the six ALFRED task types in the official layout,
+json_2.1.1/<split>/<task>-<obj>-<mrecep>-<recep>- <scene>/<trial>/{game.tw-pddl,traj_data.json},
+from what the `alfworld` wheel ships: the PDDL domain (alfworld/data/alfred.pddl), the text
+grammar (alfred.twl2), the goal library (alfworld/gen/ goal_library.py) and the scene layouts
+(alfworld/gen/layouts/FloorPlan*). The generator knows where it put every object, so it writes
+the winning walkthrough itself; envs.generate_games plays each one through the env to check it.
+The fast-downward planner is never called (minutes per game).
 
-Imports: textenv (task types) and alfworld only; envs.py imports this module, never the reverse."""
+Imports envs (task types, the alfworld import) and alfworld; envs.generate_games imports this module
+when games must be made."""
+
 import json
 import os
 import random
@@ -14,15 +17,30 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from environments.textenv import ALFWORLD_TASK_TYPES as TASK_TYPES, import_alfworld
+from envs import ALFWORLD_TASK_TYPES as TASK_TYPES
+from envs import import_alfworld
 
 alfworld = import_alfworld()
 import alfworld.gen.constants as C  # noqa: E402
 import alfworld.gen.goal_library as goal_library  # noqa: E402
+
 # the appliance a task needs in its scene, and the verb of the walkthrough step that uses it
-APPLIANCE = {"clean": ("SinkBasin", "clean"), "heat": ("Microwave", "heat"), "cool": ("Fridge", "cool")}
+APPLIANCE = {
+    "clean": ("SinkBasin", "clean"),
+    "heat": ("Microwave", "heat"),
+    "cool": ("Fridge", "cool"),
+}
 LAMPS = ("DeskLamp", "FloorLamp")
-LAMP_HOLDERS = ("Desk", "SideTable", "Dresser", "Shelf", "CoffeeTable", "DiningTable", "ArmChair", "Sofa")
+LAMP_HOLDERS = (
+    "Desk",
+    "SideTable",
+    "Dresser",
+    "Shelf",
+    "CoffeeTable",
+    "DiningTable",
+    "ArmChair",
+    "Sofa",
+)
 
 _WHEEL = os.path.dirname(alfworld.__file__)
 LAYOUTS = os.path.join(_WHEEL, "gen", "layouts")
@@ -30,14 +48,22 @@ DOMAIN_FILE = os.path.join(_WHEEL, "data", "alfred.pddl")
 GRAMMAR_FILE = os.path.join(_WHEEL, "data", "alfred.twl2")
 
 # object types that can be picked up: anything some receptacle type can hold (sliced parts excluded)
-PICKABLE = sorted({o for objs in C.VAL_RECEPTACLE_OBJECTS.values() for o in objs if "Sliced" not in o})
+PICKABLE = sorted(
+    {o for objs in C.VAL_RECEPTACLE_OBJECTS.values() for o in objs if "Sliced" not in o}
+)
 STATIC_RECEPS = sorted(C.RECEPTACLES - C.MOVABLE_RECEPTACLES_SET)
 
 
 def mangle(name):
     """ALFRED's escaping of object ids for PDDL ('|' -> _bar_, '-' -> _minus_, ...), the form the
     wheel's Demangler reads back into 'mug 1'."""
-    for a, b in (("-", "_minus_"), ("|", "_bar_"), ("+", "_plus_"), (".", "_dot_"), (",", "_comma_")):
+    for a, b in (
+        ("-", "_minus_"),
+        ("|", "_bar_"),
+        ("+", "_plus_"),
+        (".", "_dot_"),
+        (",", "_comma_"),
+    ):
         name = name.replace(a, b)
     return name
 
@@ -72,18 +98,28 @@ def load_scene(num, rng):
         x, z = rng.choice(points)
         suffix = "|" + rtype if rtype.endswith("Basin") else ""
         kind = rtype[:-5] if suffix else rtype  # "Sink|...|SinkBasin" like ALFRED's ids
-        receps.append({"id": _obj_id(kind, rng, suffix), "type": rtype,
-                       "loc": _loc(x, z, rng.choice([0, 90, 180, 270]), 30)})
-    objects = sorted(t for t in set(types) if t in PICKABLE and
-                     any(t in C.VAL_RECEPTACLE_OBJECTS[r["type"]] for r in receps))
+        receps.append(
+            {
+                "id": _obj_id(kind, rng, suffix),
+                "type": rtype,
+                "loc": _loc(x, z, rng.choice([0, 90, 180, 270]), 30),
+            }
+        )
+    objects = sorted(
+        t
+        for t in set(types)
+        if t in PICKABLE and any(t in C.VAL_RECEPTACLE_OBJECTS[r["type"]] for r in receps)
+    )
     lamps = sorted(t for t in set(types) if t in LAMPS)
-    return {"num": num, "receptacles": receps, "objects": objects, "lamps": lamps,
-            "points": points}
+    return {"num": num, "receptacles": receps, "objects": objects, "lamps": lamps, "points": points}
 
 
 def _holders(scene, otype, exclude_type=None):
-    return [r for r in scene["receptacles"] if otype in C.VAL_RECEPTACLE_OBJECTS[r["type"]]
-            and r["type"] != exclude_type]
+    return [
+        r
+        for r in scene["receptacles"]
+        if otype in C.VAL_RECEPTACLE_OBJECTS[r["type"]] and r["type"] != exclude_type
+    ]
 
 
 def sample_task(scene, short, rng):
@@ -113,8 +149,11 @@ def sample_task(scene, short, rng):
             continue
         for rtype in rtypes:
             # the target must fit in rtype, start somewhere else, and not be the appliance
-            if (otype in C.VAL_RECEPTACLE_OBJECTS[rtype] and _holders(scene, otype, rtype)
-                    and rtype != appliance):
+            if (
+                otype in C.VAL_RECEPTACLE_OBJECTS[rtype]
+                and _holders(scene, otype, rtype)
+                and rtype != appliance
+            ):
                 options.append((otype, rtype))
     if not options:
         return None
@@ -129,28 +168,47 @@ def sample_task(scene, short, rng):
             objects.append({"id": _obj_id(kind, rng), "type": kind, "in": rng.choice(spots)["id"]})
     lamps = []
     if short == "look":
-        lamps.append({"id": _obj_id(toggle, rng), "type": toggle,
-                      "in": rng.choice([r for r in receps if r["type"] in LAMP_HOLDERS])["id"]})
+        lamps.append(
+            {
+                "id": _obj_id(toggle, rng),
+                "type": toggle,
+                "in": rng.choice([r for r in receps if r["type"] in LAMP_HOLDERS])["id"],
+            }
+        )
     ids = [r["id"] for r in receps] + [t["id"] for t in objects + lamps]
     if len(set(ids)) != len(ids):
-        return None   # two random ids collided (rare): the caller draws again
+        return None  # two random ids collided (rare): the caller draws again
     # the agent starts on a grid point where no receptacle is ("You are in the middle of a room")
     used = {tuple(r["loc"].split("|")[1:3]) for r in receps}
-    free = [p for p in scene["points"] if tuple(_loc(p[0], p[1], 0, 30).split("|")[1:3]) not in used]
+    free = [
+        p for p in scene["points"] if tuple(_loc(p[0], p[1], 0, 30).split("|")[1:3]) not in used
+    ]
     x, z = rng.choice(free or scene["points"])
     agent = _loc(x, z, rng.choice([0, 90, 180, 270]), 30)
-    return {"short": short, "task_type": TASK_TYPES[short], "scene": scene["num"],
-            "object_target": otype, "parent_target": "" if short == "look" else rtype,
-            "toggle_target": toggle or "", "receptacles": receps, "objects": objects,
-            "lamps": lamps, "agent": agent}
+    return {
+        "short": short,
+        "task_type": TASK_TYPES[short],
+        "scene": scene["num"],
+        "object_target": otype,
+        "parent_target": "" if short == "look" else rtype,
+        "toggle_target": toggle or "",
+        "receptacles": receps,
+        "objects": objects,
+        "lamps": lamps,
+        "agent": agent,
+    }
 
 
 def task_sentence(spec, rng):
     """The goal sentence from the goal library's templates, as ALFWorld's add_task_to_grammar
     fills it (lower-case type names)."""
     template = rng.choice(goal_library.gdict[spec["task_type"]]["templates"])
-    return template.format(obj=spec["object_target"].lower(), recep=spec["parent_target"].lower(),
-                           toggle=spec["toggle_target"].lower(), mrecep="")
+    return template.format(
+        obj=spec["object_target"].lower(),
+        recep=spec["parent_target"].lower(),
+        toggle=spec["toggle_target"].lower(),
+        mrecep="",
+    )
 
 
 def build_problem(spec, name):
@@ -170,41 +228,69 @@ def build_problem(spec, name):
     init = ["(= (total-cost) 0)", f"(atLocation agent1 {mangle(spec['agent'])})"]
     for r in receps:
         rid = mangle(r["id"])
-        init += [f"(receptacleType {rid} {r['type']}Type)",
-                 f"(receptacleAtLocation {rid} {mangle(r['loc'])})"]
+        init += [
+            f"(receptacleType {rid} {r['type']}Type)",
+            f"(receptacleAtLocation {rid} {mangle(r['loc'])})",
+        ]
         if r["type"] in C.OPENABLE_CLASS_SET:
             init.append(f"(openable {rid})")
     for t in things:
         tid = mangle(t["id"])
-        init += [f"(objectType {tid} {t['type']}Type)", f"(inReceptacle {tid} {mangle(t['in'])})",
-                 f"(objectAtLocation {tid} {mangle(loc_of[t['in']])})"]
+        init += [
+            f"(objectType {tid} {t['type']}Type)",
+            f"(inReceptacle {tid} {mangle(t['in'])})",
+            f"(objectAtLocation {tid} {mangle(loc_of[t['in']])})",
+        ]
         if t["type"] in PICKABLE:
             init.append(f"(pickupable {tid})")
         if t["type"] in C.MOVABLE_RECEPTACLES_SET:
             init.append(f"(isReceptacleObject {tid})")
-        for flag, group in (("cleanable", "Cleanable"), ("heatable", "Heatable"),
-                            ("coolable", "Coolable"), ("toggleable", "Toggleable"),
-                            ("sliceable", "Sliceable")):
+        for flag, group in (
+            ("cleanable", "Cleanable"),
+            ("heatable", "Heatable"),
+            ("coolable", "Coolable"),
+            ("toggleable", "Toggleable"),
+            ("sliceable", "Sliceable"),
+        ):
             if t["type"] in C.VAL_ACTION_OBJECTS[group]:
                 init.append(f"({flag} {tid})")
-    init += [f"(canContain {rt}Type {ot}Type)" for rt in rtypes for ot in otypes
-             if ot in C.VAL_RECEPTACLE_OBJECTS.get(rt, ())]
-    goal = goal_library.gdict[spec["task_type"]]["pddl"].format(
-        obj=spec["object_target"], recep=spec["parent_target"], toggle=spec["toggle_target"],
-        mrecep="").replace("#", "-")
-    return ("(define (problem %s)\n(:domain alfred)\n(:objects\n    %s\n    )\n(:init\n    %s\n    )\n%s"
-            % (name, "\n    ".join(decl), "\n    ".join(init), goal.strip()))
+    init += [
+        f"(canContain {rt}Type {ot}Type)"
+        for rt in rtypes
+        for ot in otypes
+        if ot in C.VAL_RECEPTACLE_OBJECTS.get(rt, ())
+    ]
+    goal = (
+        goal_library.gdict[spec["task_type"]]["pddl"]
+        .format(
+            obj=spec["object_target"],
+            recep=spec["parent_target"],
+            toggle=spec["toggle_target"],
+            mrecep="",
+        )
+        .replace("#", "-")
+    )
+    objects = "\n    ".join(decl)
+    facts = "\n    ".join(init)
+    return (
+        f"(define (problem {name})\n(:domain alfred)\n(:objects\n    {objects}\n    )\n"
+        f"(:init\n    {facts}\n    )\n{goal.strip()}"
+    )
 
 
 def entity_names(spec):
     """id -> the name the player sees ('mug 2'), computed with the wheel's Demangler exactly as
     ALFWorld's AlfredDemangler does on load (fast-downward lower-cases PDDL names)."""
     from alfworld.agents.utils.misc import Demangler  # lazy: it pulls in textworld (~1 s)
-    ids = ([mangle(t["id"]).lower() for t in spec["objects"] + spec["lamps"]]
-           + [mangle(r["id"]).lower() for r in spec["receptacles"]])
+
+    ids = [mangle(t["id"]).lower() for t in spec["objects"] + spec["lamps"]] + [
+        mangle(r["id"]).lower() for r in spec["receptacles"]
+    ]
     demangler = Demangler(game_infos={i: SimpleNamespace(id=i) for i in ids})
-    return {raw["id"]: demangler.demangle_alfred_name(mangle(raw["id"]).lower()).strip()
-            for raw in spec["objects"] + spec["lamps"] + spec["receptacles"]}
+    return {
+        raw["id"]: demangler.demangle_alfred_name(mangle(raw["id"]).lower()).strip()
+        for raw in spec["objects"] + spec["lamps"] + spec["receptacles"]
+    }
 
 
 def walkthrough(spec):
@@ -229,7 +315,9 @@ def walkthrough(spec):
     targets = [o for o in spec["objects"] if o["type"] == otype][: 2 if short == "pick2" else 1]
     goal_recep = None
     if short != "look":
-        goal_recep = next(r["id"] for r in spec["receptacles"] if r["type"] == spec["parent_target"])
+        goal_recep = next(
+            r["id"] for r in spec["receptacles"] if r["type"] == spec["parent_target"]
+        )
     for obj in targets:
         go_open(obj["in"])
         plan.append(f"take {names[obj['id']]} from {names[obj['in']]}")
@@ -253,16 +341,20 @@ def _scenes(split, max_receptacles=None):
     nums = sorted(C.TEST_SCENE_NUMBERS if split == "valid_unseen" else C.TRAIN_SCENE_NUMBERS)
     if max_receptacles is None:
         return nums
-    return [n for n in nums if len(load_scene(n, random.Random(f"scene-{n}"))["receptacles"])
-            <= max_receptacles]
+    return [
+        n
+        for n in nums
+        if len(load_scene(n, random.Random(f"scene-{n}"))["receptacles"]) <= max_receptacles
+    ]
 
 
 def _scene_kind(num):
     return next(kind for kind, nums in C.SCENE_TYPE.items() if num in nums)
 
 
-def generate(out_dir, num_train=24, num_eval=6, seed=0, task_types=tuple(TASK_TYPES),
-             max_receptacles=None):
+def generate(
+    out_dir, num_train=24, num_eval=6, seed=0, task_types=tuple(TASK_TYPES), max_receptacles=None
+):
     """Write num_train games to json_2.1.1/train and num_eval to each of valid_seen and
     valid_unseen under out_dir, the given task types round-robin (with all six, any count >= 6
     covers every type), in scenes with at most max_receptacles receptacles (None: any scene; a
@@ -280,7 +372,11 @@ def generate(out_dir, num_train=24, num_eval=6, seed=0, task_types=tuple(TASK_TY
     with open(DOMAIN_FILE) as f:
         domain = f.read()
     root = os.path.join(out_dir, "json_2.1.1")
-    for split, count in (("train", num_train), ("valid_seen", num_eval), ("valid_unseen", num_eval)):
+    for split, count in (
+        ("train", num_train),
+        ("valid_seen", num_eval),
+        ("valid_unseen", num_eval),
+    ):
         rng = random.Random(f"{seed}-{split}")
         scenes = _scenes(split, max_receptacles)
         shorts = [t for t in TASK_TYPES if t in task_types]
@@ -291,31 +387,48 @@ def generate(out_dir, num_train=24, num_eval=6, seed=0, task_types=tuple(TASK_TY
             ok_kinds = C.GOALS_VALID[TASK_TYPES[short]]
             hosts = [n for n in scenes if _scene_kind(n) in ok_kinds]
             if not hosts or attempts > 50 * count + 100:
-                raise ValueError(f"generate: no scene of {split} with <= {max_receptacles} "
-                                 f"receptacles hosts {short} tasks: allow larger scenes")
+                raise ValueError(
+                    f"generate: no scene of {split} with <= {max_receptacles} "
+                    f"receptacles hosts {short} tasks: allow larger scenes"
+                )
             num = rng.choice(hosts)
             spec = sample_task(load_scene(num, random.Random(f"scene-{num}")), short, rng)
             if spec is None:
                 continue
             goal_text = task_sentence(spec, rng)
             trial = f"trial_T{seed % 10**8:08d}_{made:06d}_{rng.randrange(10**6):06d}"
-            folder = "-".join([spec["task_type"], spec["object_target"], "None",
-                               spec["parent_target"] or spec["toggle_target"], str(num)])
+            folder = "-".join(
+                [
+                    spec["task_type"],
+                    spec["object_target"],
+                    "None",
+                    spec["parent_target"] or spec["toggle_target"],
+                    str(num),
+                ]
+            )
             game_dir = os.path.join(root, split, folder, trial)
             os.makedirs(game_dir, exist_ok=True)
-            game = {"pddl_domain": domain,
-                    "grammar": grammar.replace("UNKNOWN GOAL", goal_text),
-                    "pddl_problem": build_problem(spec, f"plan_{trial}"),
-                    "solvable": True,
-                    "walkthrough": walkthrough(spec)}
-            traj = {"task_type": spec["task_type"], "task_id": trial,
-                    "scene": {"floor_plan": f"FloorPlan{num}", "scene_num": num},
-                    "pddl_params": {"object_target": spec["object_target"],
-                                    "parent_target": spec["parent_target"],
-                                    "toggle_target": spec["toggle_target"], "mrecep_target": "",
-                                    "object_sliced": False},
-                    "turk_annotations": {"anns": [{"task_desc": goal_text + "."}]},
-                    "generator": "tigpo alfworld_gen (offline, no planner)"}
+            game = {
+                "pddl_domain": domain,
+                "grammar": grammar.replace("UNKNOWN GOAL", goal_text),
+                "pddl_problem": build_problem(spec, f"plan_{trial}"),
+                "solvable": True,
+                "walkthrough": walkthrough(spec),
+            }
+            traj = {
+                "task_type": spec["task_type"],
+                "task_id": trial,
+                "scene": {"floor_plan": f"FloorPlan{num}", "scene_num": num},
+                "pddl_params": {
+                    "object_target": spec["object_target"],
+                    "parent_target": spec["parent_target"],
+                    "toggle_target": spec["toggle_target"],
+                    "mrecep_target": "",
+                    "object_sliced": False,
+                },
+                "turk_annotations": {"anns": [{"task_desc": goal_text + "."}]},
+                "generator": "tigpo alfworld_gen (offline, no planner)",
+            }
             path = os.path.join(game_dir, "game.tw-pddl")
             with open(path, "w") as f:
                 json.dump(game, f)
