@@ -22,6 +22,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import sys
 import time
 import types
@@ -212,7 +213,7 @@ CPU = dict(
     token_budget=4096,
     gen_batch_size=32,
     eval_every=6,
-    save_every=6,
+    save_every=2,  # a killed demo resumes: the newest checkpoint is kept, the others dropped
     keep_checkpoints=1,
     trainable_layers=8,
 )
@@ -233,7 +234,7 @@ CPU_ALFWORLD = dict(
     eval_repeats=8,
     updates=10,
     eval_every=10,
-    save_every=10,
+    save_every=3,
 )
 # (preset, env) -> the values that differ from Args' defaults; flags given override them.
 PRESETS = {
@@ -1244,18 +1245,20 @@ def evaluate(args, sample, prompt, seed, show=True, ranks=None):
             games = envs.eval_subset(tasks, args.eval_tasks)
             tasks = [t for t in games for _ in range(args.eval_repeats)]
             mine = ranks.share(len(tasks)) if ranks else range(len(tasks))
-            trajs, _, _ = play(
-                args,
-                pool,
-                [tasks[i] for i in mine],
-                sample,
-                prompt,
-                args.eval_temperature,
-                f"eval {split}",
-                show,
-                ranks,
-            )
-            pool.close()
+            try:
+                trajs, _, _ = play(
+                    args,
+                    pool,
+                    [tasks[i] for i in mine],
+                    sample,
+                    prompt,
+                    args.eval_temperature,
+                    f"eval {split}",
+                    show,
+                    ranks,
+                )
+            finally:
+                pool.close()
             keys = ("success", "score", "valid", "task_type")
             trajs = [{k: t[k] for k in keys} for t in trajs]
             if ranks:
@@ -1445,17 +1448,18 @@ class RunLog:
 
             self.tb = SummaryWriter(os.path.join(self.dir, "tb"))
         if args.track:
-            import wandb
+            self.wandb = start_wandb(args, resuming, start)
 
-            name = os.path.basename(self.dir)
-            config = dataclasses.asdict(args)
-            wandb.init(project="tigpo", name=name, config=config, resume="allow", id=name)
-            self.wandb = wandb
+    def append(self, name, text):
+        """Append to a log of the run folder, on the disk when this returns."""
+        with open(os.path.join(self.dir, name), "a") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
 
     def write(self, metrics, slots, trajs, advantages):
         update = metrics["update"]
-        with open(os.path.join(self.dir, "metrics.jsonl"), "a") as fh:
-            fh.write(json.dumps(metrics) + "\n")
+        self.append("metrics.jsonl", json.dumps(metrics) + "\n")
         numeric = {
             k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "update"
         }
@@ -1538,15 +1542,39 @@ class RunLog:
             "groups": plain,
             "loss_advantages": seen,
         }
-        with open(os.path.join(self.dir, "advantages.jsonl"), "a") as fh:
-            fh.write(json.dumps(record) + "\n")
+        self.append("advantages.jsonl", json.dumps(record) + "\n")
 
-    def close(self):
+    def finish(self, exc_type, exc, traceback):
+        """Close the logs on the way out of the run (an ExitStack exit callback)."""
+        self.close(failed=exc_type is not None)
+        return False  # an exception goes on
+
+    def close(self, failed=False):
         if self.tb:
             self.tb.close()
         if self.wandb:
-            self.wandb.finish()
-        print(f"done: {self.dir} (metrics.jsonl, trajectories.txt, checkpoints/)")
+            self.wandb.finish(exit_code=1 if failed else 0)
+        if not failed:
+            print(f"done: {self.dir} (metrics.jsonl, trajectories.txt, checkpoints/)")
+
+
+def start_wandb(args, resuming, start):
+    """A W&B run for this (re)start. W&B ignores steps at or below the last one a run logged, so
+    a resumed run that continued the old W&B run would drop the updates it redoes: every start
+    is a new W&B run instead, in a group named after the run folder, and a resumed one names the
+    run and the update it continues from (config: resumed_from, resumed_at_update)."""
+    import wandb
+
+    name = os.path.basename(os.path.abspath(args.run_dir))
+    config = dataclasses.asdict(args)
+    path = os.path.join(args.run_dir, "wandb_run.json")
+    if resuming and os.path.exists(path):
+        with open(path) as fh:
+            config["resumed_from"] = json.load(fh)["id"]
+        config["resumed_at_update"] = start
+    run = wandb.init(project="tigpo", name=name, group=name, config=config)
+    replace_file(path, json.dumps({"id": run.id, "name": name}))
+    return run
 
 
 # =================================================================================================
@@ -1595,12 +1623,33 @@ def readable_mode(mode=0o666):
     return mode & ~umask
 
 
-def write_config(run_dir, args):
-    """config.json: every argument of the run, presets resolved (written atomically)."""
-    tmp = os.path.join(run_dir, ".config.json.tmp")
+def fsync_path(path):
+    """Flush a file or a folder (its entries: a rename into it) to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_file(path, text):
+    """Write `text` to `path` atomically: a temporary file, flushed to the disk, renamed over it.
+    A kill or a full disk leaves the old file or the new one, never half of either."""
+    folder, name = os.path.split(path)
+    tmp = os.path.join(folder, f".{name}.tmp")
     with open(tmp, "w") as fh:
-        json.dump(dataclasses.asdict(args), fh, indent=1)
-    os.replace(tmp, os.path.join(run_dir, "config.json"))
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_path(folder or ".")
+
+
+def write_config(run_dir, args):
+    """config.json: every argument of the run, presets resolved."""
+    replace_file(
+        os.path.join(run_dir, "config.json"), json.dumps(dataclasses.asdict(args), indent=1)
+    )
 
 
 def save_model(folder, model, tok, state_dict=None):
@@ -1662,12 +1711,16 @@ def save_checkpoint(
             json.dump(state, fh)
         for name in ("optimizer.pt", "state.json"):
             os.chmod(os.path.join(tmp, name), readable_mode())
+        for name in os.listdir(tmp):  # on the disk before the rename makes the folder count
+            fsync_path(os.path.join(tmp, name))
+        fsync_path(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed save leaves the run as it was
         raise
     if os.path.exists(final):  # saving one update again: replace it
         shutil.rmtree(final)
     os.rename(tmp, final)  # atomic: a checkpoint folder is whole or absent
+    fsync_path(root)
     write_config(args.run_dir, args)
     done = checkpoint_names(root)
     if args.keep_checkpoints > 0:
@@ -1726,23 +1779,28 @@ TRAJ_HEADER = re.compile(r"^=== update (\d+) \| ")  # a trajectory block of traj
 
 def drop_lost_updates(run_dir, start):
     """On --resume: the log entries of updates after the checkpoint belong to work that is lost
-    (it is redone), so drop them from metrics.jsonl, advantages.jsonl and trajectories.txt."""
+    (it is redone), so drop them from metrics.jsonl, advantages.jsonl and trajectories.txt. A
+    last line cut short (a kill or a full disk while it was written) is dropped with a notice.
+    Each file is rewritten atomically: a kill during the rewrite loses nothing."""
     for name in ("metrics.jsonl", "advantages.jsonl", "trajectories.txt"):
         path = os.path.join(run_dir, name)
         if not os.path.exists(path):
             continue
+        with open(path) as fh:
+            lines = fh.readlines()
+        if lines and not lines[-1].endswith("\n"):
+            say(f"{name}: dropped its last line, cut short ({len(lines[-1])} characters)")
+            lines.pop()
         kept = []
         keep = True
-        with open(path) as fh:
-            for line in fh:
-                if name.endswith(".jsonl"):
-                    keep = json.loads(line)["update"] <= start
-                elif TRAJ_HEADER.match(line):
-                    keep = int(TRAJ_HEADER.match(line).group(1)) <= start
-                if keep:
-                    kept.append(line)
-        with open(path, "w") as fh:
-            fh.writelines(kept)
+        for line in lines:
+            if name.endswith(".jsonl"):
+                keep = json.loads(line)["update"] <= start
+            elif TRAJ_HEADER.match(line):
+                keep = int(TRAJ_HEADER.match(line).group(1)) <= start
+            if keep:
+                kept.append(line)
+        replace_file(path, "".join(kept))
 
 
 def resume_point(args, resuming):
@@ -1771,12 +1829,55 @@ def resume_point(args, resuming):
 # =================================================================================================
 
 
+class SamplerError(RuntimeError):
+    """The sampler draws from other weights than the trained ones: the run stops (exit 1)."""
+
+
+LOGPROB_GAP_LIMIT = 1.0  # nats per token: a sampler this far from the trainer samples another model
+
+
+def check_sampler(stats, args):
+    """Stop a run whose sampler draws from other weights than the trained ones, whatever the
+    engine (the vLLM engine also checks its weights itself, layer by layer)."""
+    gap = stats["rollout_logprob_gap"]
+    if not gap <= LOGPROB_GAP_LIMIT:  # a NaN stops it too
+        raise SamplerError(
+            f"the {args.rollout_engine} sampler's log-probs differ from the trainer's by "
+            f"{gap:.3f} per token (max {stats['rollout_logprob_gap_max']:.2f}): it samples "
+            f"from other weights than the ones being trained"
+        )
+
+
+def stop_on_sigterm(signum, frame):
+    """torchrun ends the other ranks of a failed job with SIGTERM: exit through the cleanup."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv=None):
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
     try:
         run(*parse_args(sys.argv[1:] if argv is None else argv))
     except UsageError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except SamplerError as e:
+        print(f"train.py: stopped: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+def save(args, update, model, tok, optimizer, memory, scheduler, ranks=None):
+    """A checkpoint of this update (every rank calls it; rank 0 writes)."""
+    rng_states = [rng_state()]
+    model_state = None
+    optim_state = optimizer.state_dict()
+    if ranks:  # each rank's sampling stream; under FSDP the full state, on rank 0
+        rng_states = ranks.gather(rng_states)
+        model_state, optim_state = ranks.full_state(model, optimizer)
+    if IS_MAIN:
+        state = (optim_state, memory, scheduler, rng_states, model_state)
+        save_checkpoint(args, update, model, tok, *state)
+    if ranks:
+        ranks.barrier()
 
 
 def run(args, resuming):
@@ -1787,231 +1888,202 @@ def run(args, resuming):
     if args.rollout_engine == "vllm":
         from extras import vllm_engine
 
-        problem = vllm_engine.why_unavailable(WORLD_SIZE)
+        problem = vllm_engine.why_unavailable()
         if problem:
             raise UsageError(problem)
-    ranks = None
-    if WORLD_SIZE > 1:  # launched by torchrun: the collectives live in extras/distributed.py
-        from extras.distributed import Ranks
+    # Everything a run holds (env workers, the vLLM engine and its copy of the weights, the
+    # logs, the process group) is released on the way out, whether the run ends or fails.
+    with contextlib.ExitStack() as cleanup:
+        ranks = None
+        if WORLD_SIZE > 1:  # launched by torchrun: the collectives live in extras/distributed.py
+            from extras.distributed import Ranks
 
-        ranks = Ranks(args.device)
-    cuda = torch.cuda.is_available() and args.device != "cpu"
-    device = torch.device(f"cuda:{ranks.local_rank if ranks else 0}" if cuda else "cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    say(describe(args, resuming))
+            ranks = Ranks(args.device)
+            cleanup.push(ranks.stop)
+        cuda = torch.cuda.is_available() and args.device != "cpu"
+        device = torch.device(f"cuda:{ranks.local_rank if ranks else 0}" if cuda else "cpu")
+        if cuda:
+            torch.cuda.set_device(device)
+        say(describe(args, resuming))
 
-    # ------------------------------------------------------------------------- setup
-    # One seeding block: each rank samples its own episodes (torch seed + rank); envs, games
-    # and the schedule get the seed itself, so every rank makes the same plan.
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed + RANK)
-    try:  # bad data fails here, before minutes of model loading
-        with ranks.rank_zero_first() if ranks else contextlib.nullcontext():
-            pool, train_tasks = make_pool(args, "train")  # rank 0 generates the games once
-    except (ValueError, OSError, RuntimeError) as e:  # a broken data dir, no WebShop server
-        raise UsageError(f"cannot start the {args.env} environment: {e}") from e
-    model, tok, source = load_policy(
-        args.model, device, args.max_new_tokens, args.gradient_checkpointing
-    )
-    say(f"model {args.model} loaded from {source}")
-    if ckpt:
-        load_weights(ckpt, model, device)  # before FSDP shards them
-    if args.trainable_layers:
-        train_top_layers(model, args.trainable_layers)
-        if args.precision == "bf16" and not args.fsdp:
-            store_frozen_in_bf16(model)  # what autocast would cast every forward, cast once
-    if args.fsdp:
-        ranks.shard(model)  # parameters, gradients, optimizer state
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    log = RunLog(args, resuming, start) if IS_MAIN else None  # the run folder starts here
-    prompt = prompt_builder(args, tok, model)
-    if args.warmup_epochs and start == 0:  # behaviour cloning before RL (the cpu preset)
-        warm_start(args, model, tok, prompt, ranks)
-    ref_model = None
-    if args.kl_coef > 0:
-        ref_model = reference_model(args, model, tok, start, ranks)
-    memory = tigpo.GraphMemory(args.max_edges_per_task)
-    scheduler = tigpo.RevisitScheduler(
-        train_tasks, args.num_groups, args.revisit_groups, args.revisit_delay, seed=args.seed
-    )
-    if ckpt:  # graph memory, revisit queue, optimizer and RNG states
-        optim_state = load_checkpoint_state(ckpt, memory, scheduler, device)
-        if ranks:
-            ranks.load_optimizer(model, optimizer, optim_state)
-        else:
-            optimizer.load_state_dict(optim_state)
-        say(f"resumed from {ckpt}")
-    engine = None
-    if args.rollout_engine == "vllm":  # else generate with the trainer's own model
-        engine = vllm_engine.start(model, tok, args.precision, args.seed)
-    sample = make_sampler(args, model, tok, engine)
-    if args.fsdp:  # every generate call is a collective: ranks call it in lockstep
-        sample = ranks.lockstep(sample, args.gen_batch_size)
-    if start == 0 and args.eval_every:  # "before": the policy before RL
-        before = evaluate(args, sample, prompt, args.seed, IS_MAIN, ranks)
-        if log:
-            log.write({"update": 0, **before}, None, [], [])
-
-    K = args.group_size
-    bar = tqdm(
-        range(start + 1, args.updates + 1),
-        desc="updates",
-        initial=start,
-        total=args.updates,
-        dynamic_ncols=True,
-        disable=not IS_MAIN,
-    )
-    for update in bar:
-        # --------------------------------------------------------------------- rollout (E11)
-        t0 = time.time()
-        slots = scheduler.plan(update)  # B group slots: revisits first, then explorations
-        tasks = [slot["task"] for slot in slots for _ in range(K)]
-        mine = ranks.share(len(tasks)) if ranks else range(len(tasks))
-        trajs, samples, gen = play(
-            args,
-            pool,
-            [tasks[i] for i in mine],
-            sample,
-            prompt,
-            args.temperature,
-            f"rollout {update}",
-            IS_MAIN,
-            ranks,
+        # ------------------------------------------------------------------------------------ setup
+        # One seeding block: each rank samples its own episodes (torch seed + rank); envs, games
+        # and the schedule get the seed itself, so every rank makes the same plan.
+        random.seed(args.seed)
+        np.random.seed(args.seed)
+        torch.manual_seed(args.seed + RANK)
+        try:  # bad data fails here, before minutes of model loading
+            with ranks.rank_zero_first() if ranks else contextlib.nullcontext():
+                pool, train_tasks = make_pool(args, "train")  # rank 0 generates the games once
+        except (ValueError, OSError, RuntimeError) as e:  # a broken data dir, no WebShop server
+            raise UsageError(f"cannot start the {args.env} environment: {e}") from e
+        cleanup.callback(pool.close)
+        model, tok, source = load_policy(
+            args.model, device, args.max_new_tokens, args.gradient_checkpointing
         )
-        for s in samples:
-            s["traj"] += mine.start  # index into the whole batch
-        if ranks:  # every rank scores every group: it needs them whole
-            trajs = ranks.gather(trajs)
-        groups = []
-        for g, slot in enumerate(slots):
-            group = {k: slot[k] for k in ("task", "kind", "ref_scores")}
-            groups.append({**group, "trajs": trajs[g * K : (g + 1) * K]})
-        rollout_s = time.time() - t0
-
-        # --------------------------------------------------------------------- advantage (E1-E9)
-        t0 = time.time()
-        graph_stats = memory.stats(groups)  # before add: hit rates of this batch
-        advantages = tigpo.compute_advantages(
-            groups,
-            args.algo,
-            memory,
-            success_reward=envs.SUCCESS_REWARD,
-            invalid_penalty=args.invalid_penalty,
-            step_gamma=args.step_gamma,
-            graph_gamma=args.graph_gamma,
-            lambda_step=args.lambda_step,
-            lambda_ep=args.lambda_ep,
-            norm=args.norm,
-            cross_temporal=args.cross_temporal,
+        say(f"model {args.model} loaded from {source}")
+        if ckpt:
+            load_weights(ckpt, model, device)  # before FSDP shards them
+        if args.trainable_layers:
+            train_top_layers(model, args.trainable_layers)
+            if args.precision == "bf16" and not args.fsdp:
+                store_frozen_in_bf16(model)  # what autocast would cast every forward, cast once
+        if args.fsdp:
+            ranks.shard(model)  # parameters, gradients, optimizer state
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+        log = None
+        if IS_MAIN:  # the run folder starts here
+            log = RunLog(args, resuming, start)
+            cleanup.push(log.finish)
+        prompt = prompt_builder(args, tok, model)
+        if args.warmup_epochs and start == 0:  # behaviour cloning before RL (the cpu preset)
+            warm_start(args, model, tok, prompt, ranks)
+        ref_model = None
+        if args.kl_coef > 0:
+            ref_model = reference_model(args, model, tok, start, ranks)
+        memory = tigpo.GraphMemory(args.max_edges_per_task)
+        scheduler = tigpo.RevisitScheduler(
+            train_tasks, args.num_groups, args.revisit_groups, args.revisit_delay, seed=args.seed
         )
-        attach_advantages(samples, advantages, K)  # [group][traj][step] -> each sample
-        adv_s = time.time() - t0
-
-        # --------------------------------------------------------------------- update (E12)
-        t0 = time.time()
-        order = torch.Generator().manual_seed(args.seed * 1000003 + update)  # same on all ranks
-        plan_args = (args.minibatch_size, args.token_budget, order, ref_model is None)
-        if ranks:  # the global minibatches, this rank's samples of each
-            minibatches, samples = ranks.minibatches(
-                minibatch_plan, micro_batches, samples, *plan_args
-            )
-        else:
-            minibatches = minibatch_plan(samples, *plan_args)
-        totals = update_policy(
-            model,
-            optimizer,
-            samples,
-            minibatches,
-            ref_model,
-            temperature=args.temperature,
-            clip_eps=args.clip_eps,
-            kl_coef=args.kl_coef,
-            max_grad_norm=args.max_grad_norm,
-            precision=args.precision,
-            logit_chunk=args.logit_chunk,
-            is_cap=args.rollout_is_cap,
-            before_step=ranks.sum_gradients if ranks else None,
-            show=IS_MAIN,
-        )
-        if ranks:
-            totals = ranks.sum_totals(totals)
-        stats = update_metrics(totals, minibatches, ref_model is not None)
-        check_sampler(stats, args)
-        synced = engine.sync(model) if engine else {}  # the engine samples the new weights
-        update_s = time.time() - t0
-
-        # --------------------------------------------------------------------- memory (E10), schedu
-        if args.dump_advantages:  # debug: the advantage each sample trained with
-            seen = [[s["traj"] // K, s["traj"] % K, s["step"], s["advantage"]] for s in samples]
+        if ckpt:  # graph memory, revisit queue, optimizer and RNG states
+            optim_state = load_checkpoint_state(ckpt, memory, scheduler, device)
             if ranks:
-                seen = ranks.gather(seen)
+                ranks.load_optimizer(model, optimizer, optim_state)
+            else:
+                optimizer.load_state_dict(optim_state)
+            say(f"resumed from {ckpt}")
+        engine = None
+        if args.rollout_engine == "vllm":  # else generate with the trainer's own model
+            # one engine per rank, each seeded with its rank: every engine start is a collective
+            engine_seed = args.seed + RANK
+            engine = vllm_engine.start(model, tok, args.precision, engine_seed, SamplerError)
+            cleanup.callback(engine.close)
+        sample = make_sampler(args, model, tok, engine)
+        if args.fsdp:  # every generate call is a collective: ranks call it in lockstep
+            sample = ranks.lockstep(sample, args.gen_batch_size)
+        if start == 0 and args.eval_every:  # "before": the policy before RL
+            before = evaluate(args, sample, prompt, args.seed, IS_MAIN, ranks)
             if log:
-                log.dump_advantages(update, groups, memory, seen)
-        memory.add(groups)  # after the update
-        scheduler.record(update, groups)  # queue this update's exploration groups
+                log.write({"update": 0, **before}, None, [], [])
 
-        # --------------------------------------------------------------------- eval, log, checkpoin
-        metrics = {"update": update, **summarize(trajs)}
-        if args.eval_every and (update % args.eval_every == 0 or update == args.updates):
-            eval_seed = args.seed + 1000003 * update
-            metrics.update(evaluate(args, sample, prompt, eval_seed, IS_MAIN, ranks))
-        metrics.update(behaviour(trajs))
-        metrics.update(stats)
-        metrics.update(graph_metrics(graph_stats, memory))
-        metrics.update(zero_advantage(advantages))
-        metrics.update(throughput(gen, samples, rollout_s, adv_s, update_s, ranks))
-        if ranks:
-            metrics.update(ranks.replica_drift(model))
-        metrics.update(synced)
-        metrics["revisits"] = sum(slot["kind"] == "revisit" for slot in slots)
-        metrics["revisits_dropped"] = scheduler.dropped
-        if log:
-            log.write(metrics, slots, trajs, advantages)
-        if update % args.save_every == 0 or update == args.updates:
-            rng_states = [rng_state()]
-            model_state = None
-            optim_state = optimizer.state_dict()
-            if ranks:  # each rank's sampling stream; under FSDP the full state on rank 0
-                rng_states = ranks.gather(rng_states)
-                model_state, optim_state = ranks.full_state(model, optimizer)
-            if IS_MAIN:
-                save_checkpoint(
-                    args,
-                    update,
-                    model,
-                    tok,
-                    optim_state,
-                    memory,
-                    scheduler,
-                    rng_states,
-                    model_state,
-                )
-            if ranks:
-                ranks.barrier()
-    pool.close()
-    if engine:
-        engine.close()
-    if log:
-        log.close()
-    if ranks:
-        ranks.stop()
-
-
-LOGPROB_GAP_LIMIT = 1.0  # nats per token: a sampler this far from the trainer samples another model
-
-
-def check_sampler(stats, args):
-    """Stop a run whose sampler draws from other weights than the trained ones (a failed sync)."""
-    gap = stats["rollout_logprob_gap"]
-    if not gap <= LOGPROB_GAP_LIMIT:  # a NaN stops it too
-        raise RuntimeError(
-            f"the {args.rollout_engine} sampler's log-probs differ from the trainer's by "
-            f"{gap:.3f} per token (max {stats['rollout_logprob_gap_max']:.2f}): it samples "
-            f"from other weights than the ones being trained"
+        K = args.group_size
+        bar = tqdm(
+            range(start + 1, args.updates + 1),
+            desc="updates",
+            initial=start,
+            total=args.updates,
+            dynamic_ncols=True,
+            disable=not IS_MAIN,
         )
+        for update in bar:
+            # ------------------------------------------------------------------------ rollout (E11)
+            t0 = time.time()
+            slots = scheduler.plan(update)  # B group slots: revisits first, then explorations
+            tasks = [slot["task"] for slot in slots for _ in range(K)]
+            mine = ranks.share(len(tasks)) if ranks else range(len(tasks))
+            trajs, samples, gen = play(
+                args,
+                pool,
+                [tasks[i] for i in mine],
+                sample,
+                prompt,
+                args.temperature,
+                f"rollout {update}",
+                IS_MAIN,
+                ranks,
+            )
+            for s in samples:
+                s["traj"] += mine.start  # index into the whole batch
+            if ranks:  # every rank scores every group: it needs them whole
+                trajs = ranks.gather(trajs)
+            groups = []
+            for g, slot in enumerate(slots):
+                group = {k: slot[k] for k in ("task", "kind", "ref_scores")}
+                groups.append({**group, "trajs": trajs[g * K : (g + 1) * K]})
+            rollout_s = time.time() - t0
+
+            # -------------------------------------------------------------------- advantage (E1-E9)
+            t0 = time.time()
+            graph_stats = memory.stats(groups)  # before add: hit rates of this batch
+            advantages = tigpo.compute_advantages(
+                groups,
+                args.algo,
+                memory,
+                success_reward=envs.SUCCESS_REWARD,
+                invalid_penalty=args.invalid_penalty,
+                step_gamma=args.step_gamma,
+                graph_gamma=args.graph_gamma,
+                lambda_step=args.lambda_step,
+                lambda_ep=args.lambda_ep,
+                norm=args.norm,
+                cross_temporal=args.cross_temporal,
+            )
+            attach_advantages(samples, advantages, K)  # [group][traj][step] -> each sample
+            adv_s = time.time() - t0
+
+            # ------------------------------------------------------------------------- update (E12)
+            t0 = time.time()
+            order = torch.Generator().manual_seed(args.seed * 1000003 + update)  # same on all ranks
+            plan_args = (args.minibatch_size, args.token_budget, order, ref_model is None)
+            if ranks:  # the global minibatches, this rank's samples of each
+                minibatches, samples = ranks.minibatches(
+                    minibatch_plan, micro_batches, samples, *plan_args
+                )
+            else:
+                minibatches = minibatch_plan(samples, *plan_args)
+            totals = update_policy(
+                model,
+                optimizer,
+                samples,
+                minibatches,
+                ref_model,
+                temperature=args.temperature,
+                clip_eps=args.clip_eps,
+                kl_coef=args.kl_coef,
+                max_grad_norm=args.max_grad_norm,
+                precision=args.precision,
+                logit_chunk=args.logit_chunk,
+                is_cap=args.rollout_is_cap,
+                before_step=ranks.sum_gradients if ranks else None,
+                show=IS_MAIN,
+            )
+            if ranks:
+                totals = ranks.sum_totals(totals)
+            stats = update_metrics(totals, minibatches, ref_model is not None)
+            check_sampler(stats, args)
+            synced = engine.sync(model) if engine else {}  # the engine samples the new weights
+            update_s = time.time() - t0
+
+            # --------------------------------------------------------- memory (E10), schedule (E11)
+            if args.dump_advantages:  # debug: the advantage each sample trained with
+                seen = [[s["traj"] // K, s["traj"] % K, s["step"], s["advantage"]] for s in samples]
+                if ranks:
+                    seen = ranks.gather(seen)
+                if log:
+                    log.dump_advantages(update, groups, memory, seen)
+            memory.add(groups)  # after the update
+            scheduler.record(update, groups)  # queue this update's exploration groups
+
+            # ---------------------------------------------------------------- eval, log, checkpoint
+            metrics = {"update": update, **summarize(trajs)}
+            if args.eval_every and (update % args.eval_every == 0 or update == args.updates):
+                eval_seed = args.seed + 1000003 * update
+                metrics.update(evaluate(args, sample, prompt, eval_seed, IS_MAIN, ranks))
+            metrics.update(behaviour(trajs))
+            metrics.update(stats)
+            metrics.update(graph_metrics(graph_stats, memory))
+            metrics.update(zero_advantage(advantages))
+            metrics.update(throughput(gen, samples, rollout_s, adv_s, update_s, ranks))
+            if ranks:
+                metrics.update(ranks.replica_drift(model))
+            metrics.update(synced)
+            metrics["revisits"] = sum(slot["kind"] == "revisit" for slot in slots)
+            metrics["revisits_dropped"] = scheduler.dropped
+            if log:
+                log.write(metrics, slots, trajs, advantages)
+            if update % args.save_every == 0 or update == args.updates:
+                save(args, update, model, tok, optimizer, memory, scheduler, ranks)
 
 
 if __name__ == "__main__":

@@ -55,10 +55,14 @@ class Ranks:
         backend = "nccl" if cuda else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
 
-    def stop(self):
+    def stop(self, exc_type=None, exc=None, traceback=None):
+        """Leave the process group (also an ExitStack exit callback). A rank that failed leaves
+        at once: waiting for the others would hang on a rank that died."""
         if dist.is_initialized():
-            dist.barrier()  # no rank tears gloo down while another still talks to it (SIGABRT)
+            if exc_type is None:
+                dist.barrier()  # no rank tears gloo down while another still talks to it
             dist.destroy_process_group()
+        return False  # an exception goes on
 
     def share(self, n):
         """This rank's contiguous block of range(n): episodes are dealt in order, so a group's

