@@ -36,12 +36,15 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as recompute
 from tqdm import tqdm
 from transformers import (
+    AttentionInterface,
+    AttentionMaskInterface,
     AutoModelForCausalLM,
     AutoTokenizer,
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
 )
+from transformers.masking_utils import sdpa_mask
 
 import envs
 import tigpo
@@ -688,6 +691,29 @@ class SampledLogprobs(LogitsProcessor):
         return scores
 
 
+def grouped_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """Attention while sampling on a CPU: torch's SDPA over grouped-query heads as they are.
+    Transformers' "sdpa" repeats every key/value head for its query heads whenever there is a
+    padding mask: a copy of the whole KV cache, per block, per new token, most of a decoding
+    step's time (SmolLM2 on 2 cores: ~5x slower per step). The same product, without the
+    copies. (On CUDA, SDPA with grouped heads and a mask falls back to its slowest kernel.)"""
+    causal = attention_mask is None and query.shape[2] > 1
+    out = F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        scale=scaling,
+        is_causal=causal,
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2).contiguous(), None  # (n, new tokens, heads, head size)
+
+
+AttentionInterface.register("grouped_sdpa", grouped_attention)
+AttentionMaskInterface.register("grouped_sdpa", sdpa_mask)
+
+
 def trim_response(ids, tok, end_ids):
     """The sampled tokens of one generated row. A finished row is filled with pad (= eos for
     many models). It ends at its first end token (eos or pad), which was sampled unless the row
@@ -699,11 +725,15 @@ def trim_response(ids, tok, end_ids):
 
 
 @torch.no_grad()
-def generate(model, tok, prompt_ids, temperature, max_new_tokens, batch_size=64, precision="fp32"):
+def generate(
+    model, tok, prompt_ids, temperature, max_new_tokens, batch_size=64, precision="fp32", frozen=0
+):
     """Sample one reply per prompt (token ids) in batched, left-padded generate calls (KV cache)
     up to '</action>' or eos. Plain temperature sampling, configured from scratch: E12's ratio
     assumes it, so the model's generation_config (Qwen's top_p, top_k, repetition_penalty) never
-    applies. Returns (texts, response ids, their log-probs)."""
+    applies. Returns (texts, response ids, their log-probs); with frozen = N > 0 (frozen_depth),
+    also the output of the bottom N blocks for each prompt + response, (P + R, H), which the
+    update then starts from instead of running those blocks again."""
     device = next(model.parameters()).device
     eos = model.generation_config.eos_token_id
     eos = eos if isinstance(eos, list) else [eos]
@@ -720,7 +750,10 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, batch_size=64,
     )
     saved = model.generation_config
     model.generation_config = GenerationConfig()  # no model defaults
-    texts, responses, logprobs = [], [], []
+    attention = model.config._attn_implementation
+    if device.type == "cpu" and attention == "sdpa":
+        model.set_attn_implementation("grouped_sdpa")
+    texts, responses, logprobs, kept = [], [], [], []
     try:
         for lo in range(0, len(prompt_ids), batch_size):
             rows = prompt_ids[lo : lo + batch_size]
@@ -731,7 +764,10 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, batch_size=64,
                 [[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device
             )
             sampler = SampledLogprobs(temperature)
-            with autocast(device, precision):
+            # the frozen blocks' output: the prompt's, then one token per decoding step
+            steps = []
+            keep = frozen_blocks(model, frozen, keep=steps) if frozen else contextlib.nullcontext()
+            with keep, autocast(device, precision):
                 out = model.generate(
                     input_ids=ids,
                     attention_mask=mask,
@@ -741,19 +777,38 @@ def generate(model, tok, prompt_ids, temperature, max_new_tokens, batch_size=64,
                 )
             last = sampler.last.gather(1, out[:, -1:])
             lps = torch.cat(sampler.picked + [last], dim=1).tolist()  # (n, new tokens)
-            for row, lp in zip(out[:, width:].tolist(), lps):
+            for i, (row, lp) in enumerate(zip(out[:, width:].tolist(), lps)):
                 response = trim_response(row, tok, end_ids)
                 responses.append(response)
                 logprobs.append(lp[: len(response)])
                 texts.append(tok.decode(response, skip_special_tokens=True))
+                if frozen:
+                    kept.append(frozen_rows(steps, i, len(rows[i]), len(response)))
     finally:
         model.generation_config = saved
+        if model.config._attn_implementation != attention:
+            model.set_attn_implementation(attention)
+    if frozen:
+        return texts, responses, logprobs, kept
     return texts, responses, logprobs
 
 
-def make_sampler(args, model, tok, engine=None):
+def frozen_rows(steps, i, prompt_len, response_len):
+    """Row i's frozen-block output over its prompt + response, (P + R, H), from what generate
+    recorded: steps[0] the prompt's (n, width, H, left-padded), steps[t] decoding step t's
+    (n, 1, H), whose input was response token t - 1. The last response token is never an input
+    during sampling; its row stays zero: causal attention keeps it out of every earlier
+    position, and a response's log-probs are read at the positions before it."""
+    prompt = steps[0][i, steps[0].shape[1] - prompt_len :]
+    tokens = [step[i] for step in steps[1:response_len]]
+    end = prompt.new_zeros((1, prompt.shape[-1]))
+    return torch.cat([prompt, *tokens, end])
+
+
+def make_sampler(args, model, tok, engine=None, frozen=0):
     """sample(prompt ids, temperature) -> (texts, response ids, log-probs): HF generate on the
-    trained model, or the vLLM engine."""
+    trained model, or the vLLM engine. With frozen > 0, HF generate also returns the frozen
+    blocks' output of each prompt + response (see generate), for the update."""
 
     def sample(prompts, temperature):
         if engine is None:
@@ -765,6 +820,7 @@ def make_sampler(args, model, tok, engine=None):
                 args.max_new_tokens,
                 args.gen_batch_size,
                 args.precision,
+                frozen,
             )
         responses, logprobs = engine.generate(
             prompts, temperature, args.max_new_tokens, envs.ACTION_END
@@ -779,11 +835,11 @@ def run_episodes(
     pool, tasks, sample, prompt, max_steps, history_length=0, prefill="", desc="rollout", show=True
 ):
     """One episode per task in the pool, one batched sample() call per step for every active
-    env. sample(prompt ids) -> (texts, response ids, log-probs); prompt(goal, history, obs,
-    admissible) -> (ids, truncated). Returns (trajs, samples, stats): a traj holds what
-    compute_advantages reads (states, valid, score, success) plus text for the log; a sample is
-    one env step (prompt and response ids, the sampler's log-probs, traj, step), trained on once
-    its advantage is known."""
+    env. sample(prompt ids) -> (texts, response ids, log-probs[, frozen blocks' output]);
+    prompt(goal, history, obs, admissible) -> (ids, truncated). Returns (trajs, samples, stats):
+    a traj holds what compute_advantages reads (states, valid, score, success) plus text for the
+    log; a sample is one env step (prompt and response ids, the sampler's log-probs, traj, step,
+    and "frozen" when the sampler gives it), trained on once its advantage is known."""
     obs, infos = pool.reset(tasks)
     n = len(tasks)
     # A crashed game (info["crash"]) fails; its states get CRASH_STATE, never a real state's key
@@ -819,7 +875,7 @@ def run_episodes(
             prompts.append(ids)
             stats["truncated_prompts"] += cut
         t0 = time.time()
-        texts, responses, logprobs = sample(prompts)
+        texts, responses, logprobs, *frozen = sample(prompts)  # frozen: see generate
         stats["gen_s"] += time.time() - t0
         stats["gen_tokens"] += sum(map(len, responses))
         actions = [None] * n  # None = leave that env alone (finished)
@@ -852,6 +908,8 @@ def run_episodes(
                     "sampler_logprobs": logprobs[j],
                 }
             )
+            if frozen:
+                samples[-1]["frozen"] = frozen[0][j]
             history[i].append((obs[i], actions[i]))
             if dones[i]:
                 done[i] = True
@@ -885,11 +943,66 @@ def attach_advantages(samples, advantages, group_size):
 # =================================================================================================
 
 
+def frozen_depth(model):
+    """How many bottom blocks never train (--trainable-layers, or LoRA on the top blocks): the
+    embedding and every weight of those blocks frozen. Their output for a sample is the same in
+    every pass of an update, so it is computed once (frozen_blocks). 0 when there is nothing to
+    reuse: every block trains, or the model is sharded (FSDP runs every block in lockstep)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        return 0
+    if any(p.requires_grad for p in model.get_input_embeddings().parameters()):
+        return 0
+    depth = 0
+    for layer in model.get_decoder().layers:
+        if any(p.requires_grad for p in layer.parameters()):
+            break
+        depth += 1
+    return depth
+
+
+@contextlib.contextmanager
+def frozen_blocks(model, depth, keep=None, given=None):
+    """Around a forward of `model` whose bottom `depth` blocks are frozen. With `keep` (a list),
+    their output (the hidden state entering block `depth`, (n, L, H)) is appended to it. With
+    `given`, that output is known: those blocks are skipped and it stands in for theirs. The
+    blocks above get exactly the input they would have computed from, so the result is the
+    same, bit for bit, when `given` was recorded from the same batch."""
+    layers = model.get_decoder().layers
+
+    def record(module, args, output):
+        keep.append((output[0] if isinstance(output, tuple) else output).detach())
+
+    def skip(hidden_states, *args, **kwargs):
+        return hidden_states
+
+    def replay(hidden_states, *args, **kwargs):
+        return given
+
+    handle = None
+    if keep is not None:
+        handle = layers[depth - 1].register_forward_hook(record)
+    if given is not None:
+        for layer in layers[: depth - 1]:
+            layer.forward = skip  # an instance attribute shadows the class's forward
+        layers[depth - 1].forward = replay
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.remove()
+        for layer in layers[:depth]:
+            layer.__dict__.pop("forward", None)
+
+
 def collate(batch_samples, pad_id, device):
     """Left-pad prompt+response so every response ends at the last column; the response of row
     i is then the last len(response_i) columns. Returns input_ids, attention_mask (n, L),
-    resp_mask and the sampler's log-probs with their mask (n, R). A sample marked "padding" (an
-    FSDP filler) gets a zero mask: it runs through the model and adds nothing."""
+    resp_mask and the sampler's log-probs with their mask (n, R); when every sample carries
+    the frozen blocks' output ("frozen", (prompt + response, H): see run_episodes), that too,
+    left-padded, as "frozen" (n, L, H). A sample marked "padding" (an FSDP filler) gets a zero
+    mask: it runs through the model and adds nothing."""
     n = len(batch_samples)
     L = max(len(s["prompt_ids"]) + len(s["response_ids"]) for s in batch_samples)
     R = max(len(s["response_ids"]) for s in batch_samples)
@@ -898,6 +1011,10 @@ def collate(batch_samples, pad_id, device):
     resp_mask = torch.zeros((n, R))
     sampled = torch.zeros((n, R))
     sampler = torch.zeros((n, R))
+    frozen = None
+    if all("frozen" in s for s in batch_samples):  # (n, L, H) where the frozen blocks end
+        like = batch_samples[0]["frozen"]
+        frozen = like.new_zeros((n, L, like.shape[-1]))
     for i, s in enumerate(batch_samples):
         seq = s["prompt_ids"] + s["response_ids"]
         r = len(s["response_ids"])
@@ -907,13 +1024,18 @@ def collate(batch_samples, pad_id, device):
         if s.get("sampler_logprobs") is not None and not s.get("padding"):
             sampled[i, R - r :] = 1.0
             sampler[i, R - r :] = torch.tensor(s["sampler_logprobs"], dtype=torch.float32)
-    return {
+        if frozen is not None:
+            frozen[i, L - len(seq) :] = s["frozen"]
+    batch = {
         "input_ids": ids.to(device),
         "attention_mask": attn.to(device),
         "resp_mask": resp_mask.to(device),
         "sampled_mask": sampled.to(device),
         "sampler_logp": sampler.to(device),
     }
+    if frozen is not None:
+        batch["frozen"] = frozen.to(device)
+    return batch
 
 
 def _token_logprobs(hidden, weight, bias, targets, temperature):
@@ -923,17 +1045,25 @@ def _token_logprobs(hidden, weight, bias, targets, temperature):
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
 
 
-def response_logprobs(model, batch, temperature, precision="fp32", chunk_tokens=1024):
+def response_logprobs(model, batch, temperature, precision="fp32", chunk_tokens=1024, frozen=0):
     """log pi(token) of every response column, (n, R) fp32 (meaningless where resp_mask is 0).
     The transformer runs under `precision`; head, temperature and log-softmax in fp32 (a bf16
     head moves a log-prob by up to ~0.06), over chunks of ~chunk_tokens positions recomputed in
     backward: the full (n, R, vocab) logits kept for backward would take tens of GB with
-    Qwen2.5's 151,936-token vocabulary."""
+    Qwen2.5's 151,936-token vocabulary. frozen = N > 0: the embedding and the bottom N blocks
+    do not train (frozen_depth); the batch's "frozen" (their output) stands in for them when it
+    is there, else a no-grad pass records it there for the passes that follow."""
     device = batch["input_ids"].device
     n, R = batch["resp_mask"].shape
     # left padding: positions count from each row's first real token, so RoPE sees 0, 1, ...
     position_ids = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-    with autocast(device, precision):
+    recorded = []
+    reuse = contextlib.nullcontext()
+    if frozen and "frozen" in batch:
+        reuse = frozen_blocks(model, frozen, given=batch["frozen"])
+    elif frozen and not torch.is_grad_enabled():
+        reuse = frozen_blocks(model, frozen, keep=recorded)
+    with reuse, autocast(device, precision):
         out = model(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],
@@ -942,6 +1072,8 @@ def response_logprobs(model, batch, temperature, precision="fp32", chunk_tokens=
             logits_to_keep=1,
             output_hidden_states=True,
         )
+    if recorded:
+        batch["frozen"] = recorded[0]
     # (n, R, H) after the final norm: column j predicts token L - R + j
     hidden = out.hidden_states[-1][:, -R - 1 : -1]
     targets = batch["input_ids"][:, -R:]
@@ -1064,13 +1196,17 @@ def update_policy(
     for micros, _ in minibatches:
         batches.append([collate([samples[i] for i in micro], pad, device) for micro in micros])
 
-    def logprobs(net, batch):
-        return response_logprobs(net, batch, temperature, precision, logit_chunk)
+    # The frozen blocks (--trainable-layers) run once per sample: in the rollout (the samples
+    # carry their output) or in the pi_old pass; every later pass starts above them.
+    depth = frozen_depth(model)
+
+    def logprobs(net, batch, frozen=0):
+        return response_logprobs(net, batch, temperature, precision, logit_chunk, frozen)
 
     old = ref = None
     with torch.no_grad():
         if len(minibatches) > 1:
-            old = [[logprobs(model, b) for b in step] for step in batches]
+            old = [[logprobs(model, b, depth) for b in step] for step in batches]
         if ref_model is not None:
             ref = [[logprobs(ref_model, b) for b in step] for step in batches]
     keys = ("loss", "pg_loss", "kl", "clip_frac", "grad_norm", "logp", "gap", "gap_max")
@@ -1088,7 +1224,7 @@ def update_policy(
     for s, (micros, num_tokens) in enumerate(minibatches):
         optimizer.zero_grad(set_to_none=True)
         for m, batch in enumerate(batches[s]):
-            logp = logprobs(model, batch)  # (n, R)
+            logp = logprobs(model, batch, depth)  # (n, R)
             mask = batch["resp_mask"]
             adv = torch.tensor([[samples[i]["advantage"]] for i in micros[m]], device=device)
             old_logp = old[s][m] if old else logp.detach()
@@ -1960,8 +2096,12 @@ def run(args, resuming):
             engine = vllm_engine.start(model, tok, args.precision, engine_seed, SamplerError)
             cleanup.callback(engine.close)
         sample = make_sampler(args, model, tok, engine)
+        # The training rollouts also keep the frozen blocks' output (--trainable-layers, HF
+        # generate): the update starts above those blocks instead of running them again.
+        rollout_sample = make_sampler(args, model, tok, engine, frozen_depth(model))
         if args.fsdp:  # every generate call is a collective: ranks call it in lockstep
             sample = ranks.lockstep(sample, args.gen_batch_size)
+            rollout_sample = sample
         if start == 0 and args.eval_every:  # "before": the policy before RL
             before = evaluate(args, sample, prompt, args.seed, IS_MAIN, ranks)
             if log:
@@ -1986,7 +2126,7 @@ def run(args, resuming):
                 args,
                 pool,
                 [tasks[i] for i in mine],
-                sample,
+                rollout_sample,
                 prompt,
                 args.temperature,
                 f"rollout {update}",

@@ -279,11 +279,147 @@ def test_frozen_layers_stored_in_bf16_give_the_same_logprobs_and_gradients_under
     assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(ga, gb))
 
 
+def frozen_llama(layers=4, trained=2, precision="fp32"):
+    """A tiny Llama with only its top blocks (and the final norm) trained, as --trainable-layers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+    )
+    model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = 0
+    train.train_top_layers(model, trained)
+    if precision == "bf16":
+        train.store_frozen_in_bf16(model)
+    return model
+
+
+def frozen_samples(count=12, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(count):
+        prompt = torch.randint(
+            1, 50, (int(torch.randint(3, 12, (1,), generator=gen)),), generator=gen
+        )
+        response = torch.randint(
+            1, 50, (int(torch.randint(1, 6, (1,), generator=gen)),), generator=gen
+        )
+        advantage = float(torch.randn(1, generator=gen))
+        samples.append(
+            {
+                "traj": i,
+                "step": 0,
+                "prompt_ids": prompt.tolist(),
+                "response_ids": response.tolist(),
+                "advantage": advantage,
+            }
+        )
+    return samples
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_frozen_blocks_run_once_per_sample_and_the_update_is_bit_identical(
+    precision, monkeypatch
+):
+    """--trainable-layers: the pi_old pass records what the frozen blocks hand to the first
+    trained one, and every later pass starts there. The same update with the frozen blocks run
+    in every pass: the same weights and statistics, bit for bit."""
+    assert train.frozen_depth(frozen_llama()) == 2
+    results = []
+    for depth in (None, 0):  # as the trainer runs it; then with the blocks run every pass
+        if depth == 0:
+            monkeypatch.setattr(train, "frozen_depth", lambda model: 0)  # noqa: ARG005
+        model = frozen_llama(precision=precision)
+        samples = frozen_samples()
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=1e-2)
+        plan = train.minibatch_plan(samples, 4, 32, torch.Generator().manual_seed(0), True)
+        assert len(plan) == 3 and sum(len(micros) for micros, _ in plan) > 3
+        totals = train.update_policy(
+            model, optimizer, samples, plan, temperature=0.8, precision=precision
+        )
+        results.append((totals, [p.detach().clone() for p in model.parameters()]))
+    (reused, a), (recomputed, b) = results
+    assert reused == recomputed
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_frozen_blocks_output_kept_by_generate_is_what_a_forward_computes(
+    precision, tiny_model
+):
+    """generate(frozen=N) keeps the bottom N blocks' output over every prompt + response (the
+    last response token's row excepted: it never enters the model while sampling). It equals a
+    full-sequence forward's up to the rounding of another batch shape, and the update that
+    starts from it takes its first step at ratio exactly 1."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    train.train_top_layers(model, 1)  # the tiny model has 2 blocks
+    if precision == "bf16":
+        train.store_frozen_in_bf16(model)
+    assert train.frozen_depth(model) == 1
+    words = ["look", "go to the cabinet", "take mug", "you see a drawer and a desk lamp"]
+    prompts = [tok(f"{w}\n", add_special_tokens=False).input_ids for w in words]
+    torch.manual_seed(0)
+    texts, responses, logprobs, frozen = train.generate(
+        model, tok, prompts, 1.0, 8, precision=precision, frozen=1
+    )
+    samples = []
+    for i, (p, r, lp, f) in enumerate(zip(prompts, responses, logprobs, frozen)):
+        assert f.shape == (len(p) + len(r), model.config.hidden_size)
+        samples.append(
+            {"traj": i, "step": 0, "prompt_ids": p, "response_ids": r, "frozen": f,
+             "sampler_logprobs": lp, "advantage": 1.0 if i % 2 else -1.0}
+        )  # fmt: skip
+    batch = train.collate(samples, tok.pad_token_id, torch.device("cpu"))
+    recorded = []
+    position_ids = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad(), train.frozen_blocks(model, 1, keep=recorded):
+        with train.autocast(torch.device("cpu"), precision):
+            model(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                position_ids=position_ids,
+            )
+    real = batch["attention_mask"].bool().clone()
+    real[:, -1] = False  # the last response token's row is never computed while sampling
+    gap = (recorded[0] - batch["frozen"])[real].abs().max().item()
+    print(f"\n{precision}: frozen blocks' output, sampling vs one forward: max |diff| {gap:.2g}")
+    assert gap < (1e-4 if precision == "fp32" else 0.5)
+    # the update starts above the frozen blocks: ratio 1 at the first step, exactly
+    seen = []
+    loss = train.policy_loss
+
+    def recording(logp, old_logp, *args):
+        seen.append((logp - old_logp).abs().max().item())
+        return loss(logp, old_logp, *args)
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    plan = train.minibatch_plan(samples, 2, 4096, torch.Generator().manual_seed(0), True)
+    original = train.policy_loss
+    train.policy_loss = recording
+    try:
+        train.update_policy(model, optimizer, samples, plan, temperature=1.0, precision=precision)
+    finally:
+        train.policy_loss = original
+    assert len(plan) == 2 and seen[0] == 0.0 and max(seen) > 0.0
+
+
 class WordTok:
     """A tokenizer of one token per whitespace word, with a chat template of two tokens."""
 
     def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
-        return "<user> " + messages[0]["content"] + " <assistant>"
+        return "<user> " + " ".join(m["content"] for m in messages) + " <assistant>"
 
     def __call__(self, text, add_special_tokens=False):
         class Out:
