@@ -380,7 +380,8 @@ def check_args(args):
         (args.group_size >= 1, "--group-size must be >= 1"),
         (
             0 <= args.revisit_groups <= args.num_groups,
-            "--revisit-groups must be in [0, --num-groups]",
+            f"--revisit-groups {args.revisit_groups} must be in [0, --num-groups "
+            f"{args.num_groups}] (the preset's value applies unless the flag is given)",
         ),
         (
             args.revisit_delay >= 1 or not args.revisit_groups,

@@ -78,7 +78,7 @@ def test_a_one_gpu_run_loads_only_train_tigpo_and_envs(tiny_model, alfworld_data
     argv += ["--run-dir", str(tmp_path / "run"), "--num-groups", "1", "--group-size", "2"]
     argv += ["--max-steps", "2", "--max-new-tokens", "8", "--num-env-workers", "1"]
     argv += ["--task-types", "all", "--max-receptacles", "0", "--warmup-epochs", "0"]
-    argv += ["--eval-every", "0"]
+    argv += ["--eval-every", "0", "--revisit-groups", "0"]
     out = subprocess.run(
         [sys.executable, "-c", LOADED, *argv],
         cwd=ROOT,
