@@ -158,8 +158,17 @@ class Args:
         "with AVX-512 BF16 or AMX, fp32 elsewhere)",
     )
     trainable_layers: int = arg(
-        0, "train only the top N transformer blocks and the final norm; 0 = every weight"
+        0,
+        "train only the top N transformer blocks and the final norm (with --lora-rank: put "
+        "the adapters on the top N blocks only); 0 = every weight",
     )
+    lora_rank: int = arg(
+        0,
+        "LoRA: train rank-R adapters on every linear layer of the trained blocks, the model's "
+        "own weights frozen (needs peft: pip install -r extras/requirements-lora.txt; LoRA "
+        "usually wants a larger --lr than full fine-tuning); 0 = train the weights themselves",
+    )
+    lora_alpha: float = arg(0, "LoRA scale: adapters' output times alpha / R (0: alpha = 2R)")
     gradient_checkpointing: bool = arg(False, "trade compute for memory in the update")
     # supervised warm start (ALFWorld, before update 1)
     warmup_epochs: int = arg(
@@ -414,6 +423,21 @@ def check_args(args):
             "--fsdp shards over ranks: launch with torchrun --nproc_per_node N (N >= 2)",
         ),
         (
+            not (args.rollout_engine == "vllm" and args.fsdp),
+            "--rollout-engine vllm with --fsdp is not supported (each rank's engine needs the "
+            "whole weights): drop one of them",
+        ),
+        (args.lora_rank >= 0, "--lora-rank must be >= 0 (0 = full fine-tuning)"),
+        (
+            not args.lora_rank or importlib.util.find_spec("peft") is not None,
+            "--lora-rank needs peft: pip install -r extras/requirements-lora.txt",
+        ),
+        (
+            not (args.lora_rank and args.fsdp),
+            "--lora-rank with --fsdp is not supported (LoRA is for one GPU, or replicas "
+            "under torchrun without --fsdp): drop one of them",
+        ),
+        (
             not args.track or importlib.util.find_spec("wandb") is not None,
             "--track needs Weights & Biases: pip install wandb (or drop --track)",
         ),
@@ -519,6 +543,8 @@ def load_model(name):
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()  # its bars would interleave with the training bars
     path = os.path.expanduser(name)
+    if os.path.isfile(os.path.join(path, "adapter_config.json")):  # a --lora-rank checkpoint
+        return load_merged_adapters(path)
     if os.path.isdir(path):
         attempts = [("local folder", dict(pretrained_model_name_or_path=path))]
     else:
@@ -539,6 +565,19 @@ def load_model(name):
 
         return offline_model.load_smollm2()
     raise UsageError(f"--model {name}: cannot load it ({'; '.join(errors) or 'not a folder'})")
+
+
+def load_merged_adapters(folder):
+    """(model, tokenizer, source) of a --lora-rank checkpoint: its base model (loaded as --model
+    is) with the adapters merged in, a plain model (evaluate.py, --model of a new run)."""
+    from peft import PeftModel
+
+    with open(os.path.join(folder, "adapter_config.json")) as fh:
+        base_name = json.load(fh)["base_model_name_or_path"]
+    base, _, source = load_model(base_name)
+    model = PeftModel.from_pretrained(base, folder).merge_and_unload()
+    tok = AutoTokenizer.from_pretrained(folder)
+    return model, tok, f"LoRA adapters in {folder} on {base_name} ({source})"
 
 
 def load_policy(name, device, max_new_tokens, gradient_checkpointing=False):
@@ -573,6 +612,45 @@ def train_top_layers(model, num_layers):
     model.requires_grad_(False)
     for module in list(decoder.layers[-num_layers:]) + [decoder.norm]:
         module.requires_grad_(True)
+
+
+def add_lora(model, rank, alpha, num_layers):
+    """--lora-rank R: a peft LoRA model over `model`, adapters (A random, B zero: the outputs
+    start unchanged) on every linear layer of the trained blocks (the top num_layers, or all),
+    every other weight frozen. The adapters live inside the model's own layers: the returned
+    PeftModel and its get_base_model() both run the adapted model; disable_adapter() runs the
+    base (the KL reference: AdaptersOff)."""
+    from peft import LoraConfig, get_peft_model
+
+    blocks = model.get_decoder().layers
+    trained = blocks[-num_layers:] if num_layers else blocks
+    linear = {id(m) for b in trained for m in b.modules() if isinstance(m, torch.nn.Linear)}
+    targets = [name for name, m in model.named_modules() if id(m) in linear]
+    model.requires_grad_(False)
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha or 2 * rank,
+        lora_dropout=0.0,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)  # adapters in fp32 like the master weights
+
+
+class AdaptersOff(torch.nn.Module):
+    """The KL reference of a LoRA policy: the policy with its adapters switched off (the base
+    model), with no second copy in memory. It has what response_logprobs calls."""
+
+    def __init__(self, peft_model):
+        super().__init__()
+        self.peft_model = peft_model
+
+    def forward(self, **inputs):
+        with self.peft_model.disable_adapter():
+            return self.peft_model(**inputs)
+
+    def get_output_embeddings(self):
+        return self.peft_model.get_output_embeddings()
 
 
 def store_frozen_in_bf16(model):
@@ -640,7 +718,11 @@ def prompt_builder(args, tok, model):
 def reference_model(args, model, tok, start, ranks=None):
     """The KL reference: the policy before RL (after the warm start), frozen, fp32 like the
     policy (a bf16 copy would differ from pi_theta at update 1). A copy of the weights in memory;
-    on resume, --model's weights with the warm start's saved in the run folder."""
+    on resume, --model's weights with the warm start's saved in the run folder. With
+    --lora-rank: the base model, the policy with its adapters off (no copy; before any warm
+    start, which trains the adapters)."""
+    if args.lora_rank:
+        return AdaptersOff(model)
     device = next(model.parameters()).device
     warm_dir = os.path.join(args.run_dir, "warmstart")
     ref_model, _, _ = load_policy(args.model, device, args.max_new_tokens)
@@ -735,6 +817,8 @@ def generate(
     applies. Returns (texts, response ids, their log-probs); with frozen = N > 0 (frozen_depth),
     also the output of the bottom N blocks for each prompt + response, (P + R, H), which the
     update then starts from instead of running those blocks again."""
+    if hasattr(model, "peft_config"):  # LoRA: the wrapped model, its layers hold the adapters
+        model = model.get_base_model()
     device = next(model.parameters()).device
     eos = model.generation_config.eos_token_id
     eos = eos if isinstance(eos, list) else [eos]
@@ -1500,6 +1584,8 @@ def update_metrics(totals, minibatches, kl_used):
         "rollout_logprob_gap_max": totals["gap_max"],
         "rollout_is_weight": is_weight,
         "rollout_is_clip_frac": totals["is_clipped"] / sampled,
+        # under torchrun: each rank's own mean gap (Ranks.sum_totals)
+        "rollout_logprob_gap_ranks": totals.get("gap_ranks"),
     }
 
 
@@ -1804,6 +1890,20 @@ def load_weights(folder, model, device):
     tied output layer, which save_pretrained stores once as the embedding."""
     from safetensors.torch import load_file
 
+    adapters = os.path.join(folder, "adapter_model.safetensors")
+    if os.path.exists(adapters):  # a --lora-rank checkpoint holds the adapters alone
+        from peft import set_peft_model_state_dict
+
+        if not hasattr(model, "peft_config"):
+            raise UsageError(f"--resume: {folder} holds LoRA adapters; the run has no --lora-rank")
+        result = set_peft_model_state_dict(model, load_file(adapters, device=str(device)))
+        missing = [k for k in result.missing_keys if "lora_" in k]
+        if result.unexpected_keys or missing:
+            raise UsageError(
+                f"--resume: the adapters in {folder} do not match the run's LoRA layers "
+                f"(missing {missing[:3]}, unexpected {result.unexpected_keys[:3]})"
+            )
+        return
     index = os.path.join(folder, "model.safetensors.index.json")  # large models save in shards
     if os.path.exists(index):
         with open(index) as fh:
@@ -1975,12 +2075,14 @@ LOGPROB_GAP_LIMIT = 1.0  # nats per token: a sampler this far from the trainer s
 
 def check_sampler(stats, args):
     """Stop a run whose sampler draws from other weights than the trained ones, whatever the
-    engine (the vLLM engine also checks its weights itself, layer by layer)."""
-    gap = stats["rollout_logprob_gap"]
-    if not gap <= LOGPROB_GAP_LIMIT:  # a NaN stops it too
+    engine (the vLLM engine also checks its weights itself, layer by layer). Under torchrun,
+    the worst rank's gap: each rank samples with its own engine."""
+    gaps = stats["rollout_logprob_gap_ranks"] or [stats["rollout_logprob_gap"]]
+    far = [g for g in gaps if not g <= LOGPROB_GAP_LIMIT]  # a NaN stops it too
+    if far:
         raise SamplerError(
             f"the {args.rollout_engine} sampler's log-probs differ from the trainer's by "
-            f"{gap:.3f} per token (max {stats['rollout_logprob_gap_max']:.2f}): it samples "
+            f"{far[0]:.3f} per token (max {stats['rollout_logprob_gap_max']:.2f}): it samples "
             f"from other weights than the ones being trained"
         )
 
@@ -2059,12 +2161,17 @@ def run(args, resuming):
             args.model, device, args.max_new_tokens, args.gradient_checkpointing
         )
         say(f"model {args.model} loaded from {source}")
+        if args.lora_rank:  # adapters on the trained blocks' linear layers, the rest frozen
+            with torch.random.fork_rng():  # the same adapters on every rank
+                torch.manual_seed(args.seed)
+                model = add_lora(model, args.lora_rank, args.lora_alpha, args.trainable_layers)
+        elif args.trainable_layers:
+            train_top_layers(model, args.trainable_layers)
         if ckpt:
             load_weights(ckpt, model, device)  # before FSDP shards them
-        if args.trainable_layers:
-            train_top_layers(model, args.trainable_layers)
-            if args.precision == "bf16" and not args.fsdp:
-                store_frozen_in_bf16(model)  # what autocast would cast every forward, cast once
+        frozen = args.trainable_layers or args.lora_rank
+        if frozen and args.precision == "bf16" and not args.fsdp:
+            store_frozen_in_bf16(model)  # what autocast would cast every forward, cast once
         if args.fsdp:
             ranks.shard(model)  # parameters, gradients, optimizer state
         params = [p for p in model.parameters() if p.requires_grad]

@@ -127,7 +127,6 @@ TINY = {  # --dry-run: the same families at toy size (GQA, tied / untied output 
     "qwen2.5-1.5b": dict(zip(SHAPE, (64, 224, 2, 4, 2, 4096, True))),
     "qwen2.5-7b": dict(zip(SHAPE, (64, 320, 2, 4, 2, 4096, False))),
 }
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # bf16 dense tensor-core peak in TFLOP/s (NVIDIA datasheets, SXM parts), matched in this order
 PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}
 
@@ -182,42 +181,20 @@ def build_policy(config, device, tok, precision, lora_rank=0, gradient_checkpoin
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = [tok.eos_token_id, tok.pad_token_id]
     base = []
-    if lora_rank:  # TODO(lora): the trainer's own --lora-rank helper, once train.py has one
-        from peft import LoraConfig, get_peft_model
-
-        model.requires_grad_(False)
+    if lora_rank:  # the trainer's --lora-rank R (alpha = R): every block's linear layers
+        model = train.add_lora(model, lora_rank, lora_rank, 0)
         if precision == "bf16":
             train.store_frozen_in_bf16(model)
-        lora = LoraConfig(
-            r=lora_rank, lora_alpha=lora_rank, lora_dropout=0.0, target_modules=LORA_TARGETS
-        )
-        model = get_peft_model(model, lora)  # adapters in fp32 (peft's autocast_adapter_dtype)
         base = [p for n, p in model.named_parameters() if "lora_" not in n]
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.eval(), base
 
 
-class AdaptersOff(torch.nn.Module):
-    """The KL reference of a LoRA policy: the policy with its adapters disabled, no second copy.
-    It has what train.response_logprobs calls: forward and get_output_embeddings."""
-
-    def __init__(self, peft_model):
-        super().__init__()
-        self.peft_model = peft_model
-
-    def forward(self, **kwargs):
-        with self.peft_model.disable_adapter():
-            return self.peft_model(**kwargs)
-
-    def get_output_embeddings(self):
-        return self.peft_model.get_output_embeddings()
-
-
 def reference_model(model, lora_rank):
     """As train.reference_model: a frozen fp32 copy of the initial policy; LoRA: the base."""
     if lora_rank:
-        return AdaptersOff(model)
+        return train.AdaptersOff(model)
     return copy.deepcopy(model).eval().requires_grad_(False)
 
 
@@ -1146,14 +1123,8 @@ def activation_check(quick=False):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         if rank:
-            from peft import LoraConfig, get_peft_model
-
-            model.requires_grad_(False)
+            model = train.add_lora(model, rank, rank, 0)
             train.store_frozen_in_bf16(model)
-            model = get_peft_model(
-                model,
-                LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules=LORA_TARGETS),
-            )
         measured = saved_activation_bytes(model, batch, precision)
         predicted = activation_bytes(
             config, batch["input_ids"].numel(), precision, rank, seq_len=width

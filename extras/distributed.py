@@ -180,12 +180,20 @@ class Ranks:
 
     def sum_totals(self, totals):
         """update_policy's token sums over ranks (grad_norm is the same on every rank; gap_max:
-        the max)."""
+        the max), and gap_ranks: each rank's own mean gap, in rank order. Every rank samples
+        with its own sampler (its own vLLM engine): one that drifts shows there, where the mean
+        over ranks would dilute it."""
         keys = [k for k in totals if k not in ("grad_norm", "gap_max")]
         out = dict(zip(keys, self.sum([totals[k] for k in keys])))
         t = torch.tensor([totals["gap_max"]], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return {**out, "grad_norm": totals["grad_norm"], "gap_max": t.item()}
+        mine = totals["gap"] / max(totals["sampled_tokens"], 1)
+        return {
+            **out,
+            "grad_norm": totals["grad_norm"],
+            "gap_max": t.item(),
+            "gap_ranks": self.gather([mine]),
+        }
 
     def replica_drift(self, model):
         """{"replica_drift": the largest difference between ranks of a checksum of the trained

@@ -154,11 +154,12 @@ class VLLMSampler:
         self.error = error
         # under torchrun vLLM joins the trainer's process group instead of making its own
         self.shares_group = dist.is_available() and dist.is_initialized()
+        self.device = "cuda" if self.cuda else "cpu"
+        self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         # the engine loads its first weights from disk; the folder goes as soon as it has
         folder = tempfile.mkdtemp(prefix="vllm_rollout_", dir=workdir)
         try:
-            model.save_pretrained(folder)
-            tok.save_pretrained(folder)
+            _write_model(folder, model, tok, self._cast(model))
             reload_log = "vllm.model_executor.model_loader.reload.layerwise"
             logging.getLogger(reload_log).setLevel(logging.ERROR)
             from vllm import LLM  # after the env defaults: vLLM reads them
@@ -183,9 +184,7 @@ class VLLMSampler:
         eos = model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos]
         self.stop_ids = sorted({tok.eos_token_id, *eos} - {None})
-        self.device = "cuda" if self.cuda else "cpu"
         self.probe = tok(PROBE_TEXT, add_special_tokens=False).input_ids
-        self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         self.model = model  # the trainer's model: what the engine must hold
         self.checked = None  # fingerprint of the trainer's weights at the last passed check
         self.reference = {}  # each layer's torch output on the probe input at the last check
@@ -268,8 +267,8 @@ class VLLMSampler:
     def _cast(self, model):
         """{name: weight in the engine dtype and device}; a tied lm_head under both names."""
         weights = {}
-        for name, p in model.named_parameters():
-            weights[name] = p.detach().to(self.device, self.dtype)
+        for name, p in _plain_weights(model):
+            weights[name] = p.to(self.device, self.dtype)
         if self.tied:
             embedding = model.get_input_embeddings().weight
             weights["lm_head.weight"] = embedding.detach().to(self.device, self.dtype)
@@ -398,6 +397,46 @@ class VLLMSampler:
             parallel_state.destroy_distributed_environment = destroy
         if self.cuda:
             torch.cuda.empty_cache()
+
+
+def _plain_weights(model):
+    """(name, weight) of the trainer's model under a plain Hugging Face checkpoint's names. A
+    LoRA (peft) model: each adapted layer's weight with its adapter merged in, W + (alpha / r)
+    B A, computed aside in fp32 (merging into the layer and back would round the trainer's
+    weights), under the base layer's name; the adapters themselves are not sent."""
+    if not hasattr(model, "peft_config"):
+        for name, p in model.named_parameters():
+            yield name, p.detach()
+        return
+    base = model.get_base_model()
+    modules = dict(base.named_modules())
+    for name, p in base.named_parameters():
+        if "lora_" in name:
+            continue
+        owner, _, leaf = name.rpartition(".")
+        if owner.endswith(".base_layer") and leaf == "weight":  # an adapted linear layer
+            layer = modules[owner.removesuffix(".base_layer")]
+            merged = p.detach().float()
+            for adapter in layer.active_adapters:
+                merged = merged + layer.get_delta_weight(adapter).float()
+            yield name.replace(".base_layer", ""), merged
+        else:
+            yield name.replace(".base_layer", ""), p.detach()
+
+
+def _write_model(folder, model, tok, weights):
+    """The model as a plain Hugging Face folder for the engine's first load: config, tokenizer
+    and `weights` (_cast's; a tied lm_head stored once, as the embedding). Not save_pretrained:
+    under torchrun it writes on rank 0 only."""
+    from safetensors.torch import save_file
+
+    model.config.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    tensors = {n: w.contiguous().cpu() for n, w in weights.items()}
+    if tied:
+        tensors.pop("lm_head.weight", None)
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
 
 
 def _leave_trainer_group():

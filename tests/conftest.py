@@ -42,10 +42,10 @@ REPLIES = [
 ]
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    """A random 2-layer Llama whose embedding and output layers are set to a bigram model of
-    REPLIES (the random layers only add small noise): it answers in the <action> format."""
+def bigram_model(out, hidden_size=64, num_heads=4, num_kv_heads=2):
+    """A random 2-layer Llama with SmolLM2's tokenizer whose embedding and output layers are set
+    to a bigram model of REPLIES (the random layers only add small noise): it answers in the
+    <action> format. Saved to `out`; returns the folder."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -57,11 +57,11 @@ def tiny_model(tmp_path_factory):
     model = LlamaForCausalLM(
         LlamaConfig(
             vocab_size=len(tok),
-            hidden_size=64,
-            intermediate_size=128,
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
             num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
             max_position_embeddings=8192,
             tie_word_embeddings=False,
             bos_token_id=tok.bos_token_id,
@@ -77,18 +77,30 @@ def tiny_model(tmp_path_factory):
         for a, b in zip(ids, ids[1:]):
             counts.setdefault(a, {}).setdefault(b, 0)
             counts[a][b] += 1
-    assert len(counts) < 64
+    assert len(counts) < hidden_size
+    norm = math.sqrt(hidden_size)  # RMSNorm turns 10 e_k into sqrt(hidden_size) e_k
     with torch.no_grad():
         model.model.embed_tokens.weight.normal_(0, 0.02)
         model.lm_head.weight.zero_()
         for k, a in enumerate(sorted(counts)):
-            # token a -> direction k of the residual stream (RMS-normalised to 8 e_k), whose
-            # output row gives its successors logit 20 + log(count), every other token 0
+            # token a -> direction k of the residual stream, whose output row gives its
+            # successors logit 20 + log(count), every other token 0
             model.model.embed_tokens.weight[a].zero_()
             model.model.embed_tokens.weight[a, k] = 10.0
             for b, c in counts[a].items():
-                model.lm_head.weight[b, k] = (20.0 + math.log(c)) / 8
-    out = tmp_path_factory.mktemp("tiny-model")
+                model.lm_head.weight[b, k] = (20.0 + math.log(c)) / norm
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """bigram_model with hidden size 64 and 4 heads (head_dim 16)."""
+    return bigram_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_vllm_model(tmp_path_factory):
+    """bigram_model with 2 heads of 64 (hidden 128): vLLM's CPU attention needs head_dim 64."""
+    return bigram_model(tmp_path_factory.mktemp("tiny-vllm-model"), 128, 2, 1)

@@ -11,7 +11,10 @@ import shlex
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Installs .ci/run may run beyond the Quick start: the optional extras the README documents, each
 # written exactly as a user would type it; each must appear literally in README.md.
-OPTIONAL_EXTRAS = ["pip install --no-deps -r extras/requirements-vllm.txt"]
+OPTIONAL_EXTRAS = [
+    "pip install --no-deps -r extras/requirements-vllm.txt",
+    "pip install -r extras/requirements-lora.txt",
+]
 SHELL_KEYWORDS = {"if", "then", "else", "elif", "fi", "do", "done", "!", "{", "}"}
 QUIET = {"-q", "-qq", "-qqq", "--quiet"}
 

