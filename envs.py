@@ -80,8 +80,8 @@ def build_prompt(goal, history, obs, admissible, env_name="alfworld", response_f
     admissible actions are listed as <action>...</action> lines and the caller prefills the reply
     with ACTION_PREFILL; a 135M model then names an admissible action ~80% of the time at
     temperature 0.4 (it follows neither change alone: with a plain list it starts a bulleted
-    list, without the prefill it copies). The tags are 6 of a line's 13 tokens, yet a plain list
-    halved the valid actions after the warm start too (0.37 against 0.70 at update 1, seed 0)."""
+    list, without the prefill it copies; after the warm start a plain list still halved its valid
+    actions: docs/RESULTS.md)."""
     if response_format not in RESPONSE_FORMATS:
         raise ValueError(
             f"unknown response_format {response_format!r}: use one of {RESPONSE_FORMATS}"

@@ -40,6 +40,7 @@ from transformers import (
     AttentionMaskInterface,
     AutoModelForCausalLM,
     AutoTokenizer,
+    DynamicCache,
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
@@ -853,13 +854,17 @@ def generate(
             steps = []
             keep = frozen_blocks(model, frozen, keep=steps) if frozen else contextlib.nullcontext()
             with keep, autocast(device, precision):
+                cache, shared = shared_prefill(model, rows, ids, mask)
                 out = model.generate(
                     input_ids=ids,
                     attention_mask=mask,
+                    past_key_values=cache,
                     generation_config=config,
                     tokenizer=tok,
                     logits_processor=LogitsProcessorList([sampler]),
                 )
+            if frozen and cache is not None:  # the prefill's rows, then the last prompt token's
+                steps[:2] = [torch.cat([steps[0][shared], steps[1]], dim=1)]
             last = sampler.last.gather(1, out[:, -1:])
             lps = torch.cat(sampler.picked + [last], dim=1).tolist()  # (n, new tokens)
             for i, (row, lp) in enumerate(zip(out[:, width:].tolist(), lps)):
@@ -876,6 +881,34 @@ def generate(
     if frozen:
         return texts, responses, logprobs, kept
     return texts, responses, logprobs
+
+
+def shared_prefill(model, rows, ids, mask):
+    """A prompt that several rows share (the K episodes of a group at their first step, and
+    later while they stay on one path) runs through the model once: the distinct prompts, all
+    but their last token, fill a KV cache that is then copied to every row holding them, and
+    generate starts from it (it runs the last prompt token, then samples each row on its own).
+    Returns (cache, shared): shared[i] is row i's prompt among the distinct ones; (None, None)
+    when every prompt is distinct, and generate runs the whole prefill itself."""
+    first = {}
+    which = [first.setdefault(tuple(r), i) for i, r in enumerate(rows)]
+    if len(first) == len(rows) or ids.shape[1] < 2:
+        return None, None
+    distinct = sorted(first.values())
+    index = {i: j for j, i in enumerate(distinct)}
+    part = mask[distinct, :-1]
+    cache = DynamicCache(config=model.config)
+    model(
+        input_ids=ids[distinct, :-1],
+        attention_mask=part,
+        position_ids=(part.cumsum(-1) - 1).clamp(min=0),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    shared = torch.tensor([index[i] for i in which], device=ids.device)
+    cache.batch_select_indices(shared)
+    return cache, shared
 
 
 def frozen_rows(steps, i, prompt_len, response_len):

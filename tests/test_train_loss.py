@@ -333,9 +333,13 @@ def test_the_frozen_blocks_run_once_per_sample_and_the_update_is_bit_identical(
     in every pass: the same weights and statistics, bit for bit."""
     assert train.frozen_depth(frozen_llama()) == 2
     results = []
-    for depth in (None, 0):  # as the trainer runs it; then with the blocks run every pass
-        if depth == 0:
-            monkeypatch.setattr(train, "frozen_depth", lambda model: 0)  # noqa: ARG005
+
+    def nothing_frozen(model):
+        return 0
+
+    for reuse in (True, False):  # as the trainer runs it; then with the blocks run every pass
+        if not reuse:
+            monkeypatch.setattr(train, "frozen_depth", nothing_frozen)
         model = frozen_llama(precision=precision)
         samples = frozen_samples()
         params = [p for p in model.parameters() if p.requires_grad]
@@ -367,12 +371,15 @@ def test_the_frozen_blocks_output_kept_by_generate_is_what_a_forward_computes(
     if precision == "bf16":
         train.store_frozen_in_bf16(model)
     assert train.frozen_depth(model) == 1
-    words = ["look", "go to the cabinet", "take mug", "you see a drawer and a desk lamp"]
+    # rows 0 and 2 share their prompt, as do 1 and 4: their prefill runs once (shared_prefill)
+    words = ["look", "go to the cabinet", "look", "take mug", "go to the cabinet"]
+    words += ["you see a drawer and a desk lamp"]
     prompts = [tok(f"{w}\n", add_special_tokens=False).input_ids for w in words]
     torch.manual_seed(0)
     texts, responses, logprobs, frozen = train.generate(
         model, tok, prompts, 1.0, 8, precision=precision, frozen=1
     )
+    assert responses[0] != responses[2] and responses[1] != responses[4]  # each row samples
     samples = []
     for i, (p, r, lp, f) in enumerate(zip(prompts, responses, logprobs, frozen)):
         assert f.shape == (len(p) + len(r), model.config.hidden_size)
@@ -395,6 +402,12 @@ def test_the_frozen_blocks_output_kept_by_generate_is_what_a_forward_computes(
     gap = (recorded[0] - batch["frozen"])[real].abs().max().item()
     print(f"\n{precision}: frozen blocks' output, sampling vs one forward: max |diff| {gap:.2g}")
     assert gap < (1e-4 if precision == "fp32" else 0.5)
+    with torch.no_grad():  # the sampler's log-probs are the distribution it sampled from
+        full = {k: v for k, v in batch.items() if k != "frozen"}
+        trainer = train.response_logprobs(model, full, 1.0, precision)
+    sampled = batch["sampled_mask"].bool()
+    drift = (trainer - batch["sampler_logp"])[sampled].abs().max().item()
+    assert drift < (1e-4 if precision == "fp32" else 0.2), drift
     # the update starts above the frozen blocks: ratio 1 at the first step, exactly
     seen = []
     loss = train.policy_loss
@@ -412,7 +425,7 @@ def test_the_frozen_blocks_output_kept_by_generate_is_what_a_forward_computes(
         train.update_policy(model, optimizer, samples, plan, temperature=1.0, precision=precision)
     finally:
         train.policy_loss = original
-    assert len(plan) == 2 and seen[0] == 0.0 and max(seen) > 0.0
+    assert len(plan) == 3 and seen[0] == 0.0 and max(seen) > 0.0
 
 
 class WordTok:
