@@ -889,7 +889,12 @@ def shared_prefill(model, rows, ids, mask):
     but their last token, fill a KV cache that is then copied to every row holding them, and
     generate starts from it (it runs the last prompt token, then samples each row on its own).
     Returns (cache, shared): shared[i] is row i's prompt among the distinct ones; (None, None)
-    when every prompt is distinct, and generate runs the whole prefill itself."""
+    when every prompt is distinct or the model is sharded (FSDP), and generate runs the whole
+    prefill itself."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):  # every rank must run the same forwards, in lockstep
+        return None, None
     first = {}
     which = [first.setdefault(tuple(r), i) for i, r in enumerate(rows)]
     if len(first) == len(rows) or ids.shape[1] < 2:
