@@ -44,6 +44,8 @@ from transformers import (
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
+    StoppingCriteriaList,
+    StopStringCriteria,
 )
 from transformers.masking_utils import sdpa_mask
 
@@ -780,7 +782,12 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, *
     Transformers' "sdpa" repeats every key/value head for its query heads whenever there is a
     padding mask: a copy of the whole KV cache, per block, per new token, most of a decoding
     step's time (SmolLM2 on 2 cores: ~5x slower per step). The same product, without the
-    copies. (On CUDA, SDPA with grouped heads and a mask falls back to its slowest kernel.)"""
+    copies. (On CUDA, SDPA with grouped heads and a mask falls back to its slowest kernel.)
+    A decoding step (one new token) is two small products in fp32 instead: torch's CPU SDPA
+    kernel takes ~10x longer on them in bf16 (16 rows x 300 keys: 3.5 ms vs 0.7 ms per block,
+    scratch in docs/RESULTS.md) and is less exact than fp32 scores and softmax."""
+    if query.shape[2] == 1:
+        return decode_attention(query, key, value, attention_mask, scaling)
     causal = attention_mask is None and query.shape[2] > 1
     out = F.scaled_dot_product_attention(
         query,
@@ -792,6 +799,24 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, *
         enable_gqa=True,
     )
     return out.transpose(1, 2).contiguous(), None  # (n, new tokens, heads, head size)
+
+
+def decode_attention(query, key, value, attention_mask, scaling=None):
+    """One new token's attention, (n, heads, 1, d) over (n, kv heads, L, d) keys and values, in
+    fp32: each key/value head's query heads as the rows of one product, so nothing is copied
+    per head. attention_mask: None, bool (True = attend) or additive, broadcast to (n, 1, 1, L).
+    Returns (n, 1, heads, d) in the query's dtype."""
+    n, heads, _, d = query.shape
+    groups = key.shape[1]
+    q = query.reshape(n, groups, heads // groups, d).float()
+    scores = q @ key.float().transpose(-1, -2) * (d**-0.5 if scaling is None else scaling)
+    if attention_mask is not None:  # (n, 1, 1, L) -> (n, 1, 1, L) over (n, groups, rows, L)
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, float("-inf"))
+        else:
+            scores = scores + attention_mask.float()
+    out = scores.softmax(-1) @ value.float()  # (n, groups, heads // groups, d)
+    return out.reshape(n, 1, heads, d).to(query.dtype), None
 
 
 AttentionInterface.register("grouped_sdpa", grouped_attention)
@@ -806,6 +831,14 @@ def trim_response(ids, tok, end_ids):
     if end == len(ids) or envs.ACTION_END in tok.decode(ids[:end]):
         return ids[:end]
     return ids[: end + 1]
+
+
+@functools.lru_cache(maxsize=4)
+def stop_at_action_end(tok):
+    """generate's stop at '</action>', built once per tokenizer. Built per call (the
+    stop_strings setting) it takes ~1 s each time (SmolLM2, 2 cores): transformers keys its
+    cache on the vocabulary's order, which the tokenizer returns shuffled on every call."""
+    return StopStringCriteria(tok, [envs.ACTION_END])
 
 
 @torch.no_grad()
@@ -832,7 +865,6 @@ def generate(
         max_new_tokens=max_new_tokens,
         pad_token_id=tok.pad_token_id,
         eos_token_id=sorted(end_ids - {tok.pad_token_id}) or tok.eos_token_id,
-        stop_strings=[envs.ACTION_END],
     )
     saved = model.generation_config
     model.generation_config = GenerationConfig()  # no model defaults
@@ -862,6 +894,7 @@ def generate(
                     generation_config=config,
                     tokenizer=tok,
                     logits_processor=LogitsProcessorList([sampler]),
+                    stopping_criteria=StoppingCriteriaList([stop_at_action_end(tok)]),
                 )
             if frozen and cache is not None:  # the prefill's rows, then the last prompt token's
                 steps[:2] = [torch.cat([steps[0][shared], steps[1]], dim=1)]
@@ -1308,9 +1341,9 @@ def update_policy(
     """E12 over one update's samples (each one env step with prompt_ids, response_ids,
     advantage and optionally sampler_logprobs): for each (micro-batches, tokens) of
     `minibatches` (minibatch_plan), one AdamW step whose loss is the token-mean over the
-    minibatch, accumulated over its micro-batches. pi_old: with one step, the step's own
-    forward, detached; with several, one no-grad pass before the first step over exactly the
-    same micro-batches (under bf16 a log-prob moves by up to ~0.1 between batch shapes: noise
+    minibatch, accumulated over its micro-batches. pi_old: for the first step, the step's own
+    forward, detached; for each later one, one no-grad pass before the first step over exactly
+    the same micro-batches (under bf16 a log-prob moves by up to ~0.1 between batch shapes: noise
     the clip would act on). before_step(model), if given, runs between backward and the gradient
     clip (torchrun: the gradient sum). Returns the update's token sums."""
     pad = model.generation_config.pad_token_id
@@ -1329,7 +1362,8 @@ def update_policy(
     old = ref = None
     with torch.no_grad():
         if len(minibatches) > 1:
-            old = [[logprobs(model, b, depth) for b in step] for step in batches]
+            # the first step's pi_old is its own forward, detached: the weights have not moved
+            old = [None] + [[logprobs(model, b, depth) for b in step] for step in batches[1:]]
         if ref_model is not None:
             ref = [[logprobs(ref_model, b) for b in step] for step in batches]
     keys = ("loss", "pg_loss", "kl", "clip_frac", "grad_norm", "logp", "gap", "gap_max")
@@ -1350,7 +1384,7 @@ def update_policy(
             logp = logprobs(model, batch, depth)  # (n, R)
             mask = batch["resp_mask"]
             adv = torch.tensor([[samples[i]["advantage"]] for i in micros[m]], device=device)
-            old_logp = old[s][m] if old else logp.detach()
+            old_logp = old[s][m] if old and old[s] else logp.detach()
             # log pi_old - log pi_sampler on the sampled tokens, before any step
             sampled = batch["sampled_mask"]
             diff = old_logp - batch["sampler_logp"]

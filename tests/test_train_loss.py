@@ -470,3 +470,33 @@ def test_a_long_prompt_is_fitted_to_the_context_by_the_stated_policy():
         tok, "put a mug in desk", history, obs, actions, "alfworld", "action", 12
     )
     assert cut and len(ids) == 12
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_a_decoding_step_attends_as_sdpa_over_repeated_heads(masked):
+    """grouped_attention's one-new-token path (fp32 products, no per-head copies) is the
+    attention SDPA computes over key/value heads repeated for their query heads."""
+    torch.manual_seed(0)
+    n, heads, groups, L, d = 3, 6, 2, 11, 8
+    query = torch.randn(n, heads, 1, d)
+    key, value = torch.randn(n, groups, L, d), torch.randn(n, groups, L, d)
+    mask = None
+    if masked:
+        mask = torch.ones(n, 1, 1, L, dtype=torch.bool)
+        mask[0, ..., :4] = False  # left padding of row 0
+    out, _ = train.grouped_attention(None, query, key, value, mask, scaling=0.3)
+    repeat = heads // groups
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query.double(),
+        key.double().repeat_interleave(repeat, 1),
+        value.double().repeat_interleave(repeat, 1),
+        attn_mask=mask,
+        scale=0.3,
+    ).transpose(1, 2)
+    assert out.shape == (n, 1, heads, d)
+    assert (out.double() - expected).abs().max() < 1e-5
+    if masked:  # the padded keys are out of row 0's attention entirely
+        shifted = value.clone()
+        shifted[0, :, :4] += 100.0
+        again, _ = train.grouped_attention(None, query, key, shifted, mask, scaling=0.3)
+        assert torch.equal(again, out)
