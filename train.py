@@ -785,7 +785,7 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, *
     copies. (On CUDA, SDPA with grouped heads and a mask falls back to its slowest kernel.)
     A decoding step (one new token) is two small products in fp32 instead: torch's CPU SDPA
     kernel takes ~10x longer on them in bf16 (16 rows x 300 keys: 3.5 ms vs 0.7 ms per block,
-    scratch in docs/RESULTS.md) and is less exact than fp32 scores and softmax."""
+    docs/RESULTS.md) and is less exact than fp32 scores and softmax."""
     if query.shape[2] == 1:
         return decode_attention(query, key, value, attention_mask, scaling)
     causal = attention_mask is None and query.shape[2] > 1
