@@ -788,7 +788,7 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, *
     docs/RESULTS.md) and is less exact than fp32 scores and softmax."""
     if query.shape[2] == 1:
         return decode_attention(query, key, value, attention_mask, scaling)
-    causal = attention_mask is None and query.shape[2] > 1
+    causal = attention_mask is None
     out = F.scaled_dot_product_attention(
         query,
         key,
@@ -804,17 +804,14 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, *
 def decode_attention(query, key, value, attention_mask, scaling=None):
     """One new token's attention, (n, heads, 1, d) over (n, kv heads, L, d) keys and values, in
     fp32: each key/value head's query heads as the rows of one product, so nothing is copied
-    per head. attention_mask: None, bool (True = attend) or additive, broadcast to (n, 1, 1, L).
+    per head. attention_mask: None or sdpa_mask's bool (n, 1, 1, L), True = attend.
     Returns (n, 1, heads, d) in the query's dtype."""
     n, heads, _, d = query.shape
     groups = key.shape[1]
     q = query.reshape(n, groups, heads // groups, d).float()
     scores = q @ key.float().transpose(-1, -2) * (d**-0.5 if scaling is None else scaling)
-    if attention_mask is not None:  # (n, 1, 1, L) -> (n, 1, 1, L) over (n, groups, rows, L)
-        if attention_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attention_mask, float("-inf"))
-        else:
-            scores = scores + attention_mask.float()
+    if attention_mask is not None:  # broadcast over the groups and their query rows
+        scores = scores.masked_fill(~attention_mask, float("-inf"))
     out = scores.softmax(-1) @ value.float()  # (n, groups, heads // groups, d)
     return out.reshape(n, 1, heads, d).to(query.dtype), None
 
@@ -892,7 +889,6 @@ def generate(
                     attention_mask=mask,
                     past_key_values=cache,
                     generation_config=config,
-                    tokenizer=tok,
                     logits_processor=LogitsProcessorList([sampler]),
                     stopping_criteria=StoppingCriteriaList([stop_at_action_end(tok)]),
                 )
@@ -1359,11 +1355,10 @@ def update_policy(
     def logprobs(net, batch, frozen=0):
         return response_logprobs(net, batch, temperature, precision, logit_chunk, frozen)
 
-    old = ref = None
+    ref = None
     with torch.no_grad():
-        if len(minibatches) > 1:
-            # the first step's pi_old is its own forward, detached: the weights have not moved
-            old = [None] + [[logprobs(model, b, depth) for b in step] for step in batches[1:]]
+        # the first step's pi_old is its own forward, detached: the weights have not moved
+        old = [None] + [[logprobs(model, b, depth) for b in step] for step in batches[1:]]
         if ref_model is not None:
             ref = [[logprobs(ref_model, b) for b in step] for step in batches]
     keys = ("loss", "pg_loss", "kl", "clip_frac", "grad_norm", "logp", "gap", "gap_max")
@@ -1384,7 +1379,7 @@ def update_policy(
             logp = logprobs(model, batch, depth)  # (n, R)
             mask = batch["resp_mask"]
             adv = torch.tensor([[samples[i]["advantage"]] for i in micros[m]], device=device)
-            old_logp = old[s][m] if old and old[s] else logp.detach()
+            old_logp = old[s][m] if old[s] else logp.detach()
             # log pi_old - log pi_sampler on the sampled tokens, before any step
             sampled = batch["sampled_mask"]
             diff = old_logp - batch["sampler_logp"]
