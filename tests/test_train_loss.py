@@ -2,10 +2,13 @@
 sides, the k3 KL, the token-mean reduction), response trimming, and left-padded batching
 (a batched log-prob must equal the same sample's log-prob computed alone)."""
 
+import contextlib
 import math
 
 import pytest
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 import envs
 import train
@@ -500,3 +503,53 @@ def test_a_decoding_step_attends_as_sdpa_over_repeated_heads(masked):
         shifted[0, :, :4] += 100.0
         again, _ = train.grouped_attention(None, query, key, shifted, mask, scaling=0.3)
         assert torch.equal(again, out)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_sampling_with_the_buffered_cache_and_head_cast_once_is_bit_identical(
+    precision, tiny_model, monkeypatch
+):
+    """generate's KV cache written in place in fp32 (BufferedLayer) and its output layer cast
+    to bf16 once per call (head_cast_once) sample the same tokens with the same log-probs and
+    keep the same frozen blocks' output as transformers' concatenating cache with autocast's
+    cast at every step: speed only."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    train.train_top_layers(model, 1)
+    if precision == "bf16":
+        train.store_frozen_in_bf16(model)
+    words = ["look", "go to the cabinet", "look", "take mug", "you see a drawer and a lamp"]
+    prompts = [tok(f"{w}\n", add_special_tokens=False).input_ids for w in words]
+    runs = []
+    for rows in (prompts, prompts[1:]):  # with a shared prompt, and all distinct
+        for plain in (False, True):
+            if plain:
+                monkeypatch.setattr(
+                    train, "sampling_cache", lambda m: DynamicCache(config=m.config)
+                )
+                monkeypatch.setattr(train, "head_cast_once", lambda m, p: contextlib.nullcontext())
+            torch.manual_seed(0)
+            runs.append(train.generate(model, tok, rows, 1.0, 8, 64, precision, 1))
+            monkeypatch.undo()
+    for fast, plain in (runs[:2], runs[2:]):
+        assert fast[1] == plain[1] and fast[2] == plain[2]  # responses, sampler log-probs
+        assert all(torch.equal(a, b) for a, b in zip(fast[3], plain[3]))
+    head = model.get_output_embeddings().weight  # what head_cast_once casts once
+    assert head.dtype == torch.float32 and not head.requires_grad
+
+
+def test_the_buffered_cache_holds_what_concatenation_would():
+    """BufferedLayer past its first buffer's room, and after selecting rows: the keys and
+    values transformers' DynamicLayer would hold, in fp32."""
+    torch.manual_seed(0)
+    buffered, plain = train.BufferedLayer(), DynamicLayer()
+    for step in range(100):  # a 5-token prefill, then one token at a time
+        new = [torch.randn(3, 2, 5 if step == 0 else 1, 4).bfloat16() for _ in "kv"]
+        got, want = buffered.update(*new), plain.update(*new)
+        if step == 50:
+            buffered.batch_select_indices(torch.tensor([2, 0, 0]))
+            plain.batch_select_indices(torch.tensor([2, 0, 0]))
+    assert buffered.get_seq_length() == plain.get_seq_length() == 104
+    assert all(torch.equal(a, b.float()) for a, b in zip(got, want))
