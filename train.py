@@ -1281,14 +1281,18 @@ def _token_logprobs(hidden, weight, bias, targets, temperature):
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
 
 
+KEEP_LOGITS_BYTES = 256 * 2**20  # a micro-batch's fp32 logits up to this stay for backward
+
+
 def response_logprobs(model, batch, temperature, precision="fp32", chunk_tokens=1024, frozen=0):
     """log pi(token) of every response column, (n, R) fp32 (meaningless where resp_mask is 0).
     The transformer runs under `precision`; head, temperature and log-softmax in fp32 (a bf16
     head moves a log-prob by up to ~0.06), over chunks of ~chunk_tokens positions recomputed in
-    backward: the full (n, R, vocab) logits kept for backward would take tens of GB with
-    Qwen2.5's 151,936-token vocabulary. frozen = N > 0: the embedding and the bottom N blocks
-    do not train (frozen_depth); the batch's "frozen" (their output) stands in for them when it
-    is there, else a no-grad pass records it there for the passes that follow."""
+    backward when the micro-batch's logits exceed KEEP_LOGITS_BYTES: the full (n, R, vocab)
+    logits kept for backward would take tens of GB with Qwen2.5's 151,936-token vocabulary.
+    frozen = N > 0: the embedding and the bottom N blocks do not train (frozen_depth); the
+    batch's "frozen" (their output) stands in for them when it is there, else a no-grad pass
+    records it there for the passes that follow."""
     device = batch["input_ids"].device
     n, R = batch["resp_mask"].shape
     # left padding: positions count from each row's first real token, so RoPE sees 0, 1, ...
@@ -1315,11 +1319,14 @@ def response_logprobs(model, batch, temperature, precision="fp32", chunk_tokens=
     targets = batch["input_ids"][:, -R:]
     head = model.get_output_embeddings()
     step = max(1, chunk_tokens // n)
+    # the logits kept for backward when they are small (the CPU demo's: ~30 MB), as recomputing
+    # them costs a head forward per chunk; the same gradient either way, bit for bit
+    small = n * R * head.weight.shape[0] * 4 <= KEEP_LOGITS_BYTES
     chunks = []
     with torch.autocast(device.type, enabled=False):
         for lo in range(0, R, step):
             part = (hidden[:, lo : lo + step], head.weight, head.bias, targets[:, lo : lo + step])
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled() and not small:
                 chunk = recompute(_token_logprobs, *part, temperature, use_reentrant=False)
             else:
                 chunk = _token_logprobs(*part, temperature)

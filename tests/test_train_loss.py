@@ -230,7 +230,10 @@ def tiny_llama(vocab=50, positions=2048):
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 10_000])
-def test_chunked_logprobs_and_gradients_equal_the_full_logits(chunk):
+@pytest.mark.parametrize("kept", [True, False])  # the logits kept for backward, or recomputed
+def test_chunked_logprobs_and_gradients_equal_the_full_logits(chunk, kept, monkeypatch):
+    if not kept:
+        monkeypatch.setattr(train, "KEEP_LOGITS_BYTES", 0)
     model = tiny_llama()
     samples = [
         {"prompt_ids": [5, 6, 7, 8, 9], "response_ids": [10, 11, 12]},
@@ -553,3 +556,21 @@ def test_the_buffered_cache_holds_what_concatenation_would():
             plain.batch_select_indices(torch.tensor([2, 0, 0]))
     assert buffered.get_seq_length() == plain.get_seq_length() == 104
     assert all(torch.equal(a, b.float()) for a, b in zip(got, want))
+
+
+def test_keeping_the_logits_for_backward_changes_no_gradient_bit(monkeypatch):
+    """Small logits kept for backward instead of recomputed there: the same gradients, exactly."""
+    samples = [
+        {"prompt_ids": [5, 6, 7, 8, 9], "response_ids": [10, 11, 12]},
+        {"prompt_ids": [3], "response_ids": [12, 13, 14, 15, 16, 17]},
+    ]
+    grads = []
+    for limit in (0, train.KEEP_LOGITS_BYTES):
+        monkeypatch.setattr(train, "KEEP_LOGITS_BYTES", limit)
+        torch.manual_seed(0)
+        model = tiny_llama()
+        batch = train.collate(samples, pad_id=0, device=torch.device("cpu"))
+        got = train.response_logprobs(model, batch, 0.7, "fp32", 4)
+        (got * batch["resp_mask"]).sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
