@@ -979,10 +979,13 @@ def head_cast_once(model, precision):
     not at every decoding step. The head stays fp32 (store_frozen_in_bf16), and autocast caches
     only weights that require grad: casting SmolLM2's 49,152 x 576 head took ~20 ms of each
     decoding step on 2 cores. The same bf16 weight, so the same logits, bit for bit."""
+    from torch.distributed.fsdp import FSDPModule
+
     head = model.get_output_embeddings()
     weight = getattr(head, "weight", None)
     plain = isinstance(head, torch.nn.Linear) and weight.dtype == torch.float32
-    if precision != "bf16" or not plain or weight.requires_grad:
+    sharded = isinstance(model, FSDPModule)  # its weights are whole only inside its forward
+    if precision != "bf16" or not plain or weight.requires_grad or sharded:
         yield
         return
     cast = weight.to(torch.bfloat16)

@@ -1088,8 +1088,15 @@ def saved_activation_bytes(model, batch, precision):
         return t
 
     model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logp = train.response_logprobs(model, batch, 1.0, precision, 1024)
+    # the head recomputed in backward, as the formula counts it; a micro-batch's logits kept for
+    # backward instead (when under train.KEEP_LOGITS_BYTES) are a third of what
+    # head_transient_bytes counts for the same positions
+    keep, train.KEEP_LOGITS_BYTES = train.KEEP_LOGITS_BYTES, 0
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logp = train.response_logprobs(model, batch, 1.0, precision, 1024)
+    finally:
+        train.KEEP_LOGITS_BYTES = keep
     (-(logp * batch["resp_mask"]).sum()).backward()  # the saved tensors were usable
     return sum(saved.values())
 
