@@ -978,14 +978,12 @@ def head_cast_once(model, precision):
     """Within one generate call under bf16 autocast: the output layer's weight cast to bf16 once,
     not at every decoding step. The head stays fp32 (store_frozen_in_bf16), and autocast caches
     only weights that require grad: casting SmolLM2's 49,152 x 576 head took ~20 ms of each
-    decoding step on 2 cores. The same bf16 weight, so the same logits, bit for bit."""
-    from torch.distributed.fsdp import FSDPModule
-
+    decoding step on 2 cores. The same bf16 weight, so the same logits, bit for bit. Not on a
+    sharded model: its weights are whole only inside its forward."""
     head = model.get_output_embeddings()
     weight = getattr(head, "weight", None)
     plain = isinstance(head, torch.nn.Linear) and weight.dtype == torch.float32
-    sharded = isinstance(model, FSDPModule)  # its weights are whole only inside its forward
-    if precision != "bf16" or not plain or weight.requires_grad or sharded:
+    if precision != "bf16" or not plain or weight.requires_grad or sharded(model):
         yield
         return
     cast = weight.to(torch.bfloat16)
@@ -1005,9 +1003,7 @@ def shared_prefill(model, rows, ids, mask, cache):
     its own). Returns shared: shared[i] is row i's prompt among the distinct ones; None when
     every prompt is distinct or the model is sharded (FSDP): the cache stays empty and generate
     runs the whole prefill itself."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if isinstance(model, FSDPModule):  # every rank must run the same forwards, in lockstep
+    if sharded(model):  # every rank must run the same forwards, in lockstep
         return None
     first = {}
     which = [first.setdefault(tuple(r), i) for i, r in enumerate(rows)]
@@ -1179,14 +1175,21 @@ def attach_advantages(samples, advantages, group_size):
 # =================================================================================================
 
 
+def sharded(model):
+    """Whether FSDP (torchrun --fsdp) shards the model: every rank then runs the same forwards
+    in lockstep, each of which gathers the weights (so no rank may skip or add one), and the
+    weights are whole only inside a forward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
 def frozen_depth(model):
     """How many bottom blocks never train (--trainable-layers, or LoRA on the top blocks): the
     embedding and every weight of those blocks frozen. Their output for a sample is the same in
     every pass of an update, so it is computed once (frozen_blocks). 0 when there is nothing to
-    reuse: every block trains, or the model is sharded (FSDP runs every block in lockstep)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if isinstance(model, FSDPModule):
+    reuse: every block trains, or the model is sharded."""
+    if sharded(model):
         return 0
     if any(p.requires_grad for p in model.get_input_embeddings().parameters()):
         return 0
