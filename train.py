@@ -857,6 +857,20 @@ class BufferedLayer(DynamicLayer):
     def get_seq_length(self):
         return self.length if self.is_initialized else 0
 
+    def write_rows(self, rows, computed, lengths, n, width):
+        """A prefill computed elsewhere (prefill_rows), into this layer of an n-row cache
+        left-padded to width: computed (a DynamicLayer, right-padded) holds rows[k]'s keys and
+        values in its row k, over its first lengths[k] positions."""
+        if not self.is_initialized:
+            self.lazy_initialization(computed.keys, computed.values)
+            shape = (n, computed.keys.shape[1], width + 64, computed.keys.shape[3])
+            self.buffers = [computed.keys.new_zeros(shape, dtype=torch.float32) for _ in "kv"]
+            self.length = width
+            self.keys, self.values = (buffer[:, :, :width] for buffer in self.buffers)
+        for k, (row, length) in enumerate(zip(rows, lengths)):
+            self.buffers[0][row, :, width - length : width] = computed.keys[k, :, :length]
+            self.buffers[1][row, :, width - length : width] = computed.values[k, :, :length]
+
     def batch_select_indices(self, indices):
         if self.get_seq_length():
             self.buffers = [buffer[indices] for buffer in self.buffers]
@@ -944,7 +958,7 @@ def generate(
             keep = frozen_blocks(model, frozen, keep=steps) if frozen else contextlib.nullcontext()
             with keep, autocast(device, precision), head_cast_once(model, precision):
                 cache = sampling_cache(model)
-                shared = shared_prefill(model, rows, ids, mask, cache)
+                shared = shared_prefill(model, rows, ids, mask, cache, steps if frozen else None)
                 out = model.generate(
                     input_ids=ids,
                     attention_mask=mask,
@@ -995,34 +1009,79 @@ def head_cast_once(model, precision):
         head.__dict__.pop("forward", None)
 
 
-def shared_prefill(model, rows, ids, mask, cache):
-    """A prompt that several rows share (the K episodes of a group at their first step, and
-    later while they stay on one path) runs through the model once: the distinct prompts, all
-    but their last token, fill the empty KV `cache`, which is then copied to every row holding
-    them, and generate starts from it (it runs the last prompt token, then samples each row on
-    its own). Returns shared: shared[i] is row i's prompt among the distinct ones; None when
-    every prompt is distinct or the model is sharded (FSDP): the cache stays empty and generate
-    runs the whole prefill itself."""
-    if sharded(model):  # every rank must run the same forwards, in lockstep
+def shared_prefill(model, rows, ids, mask, cache, kept=None):
+    """generate's prefill: all but each prompt's last token, into the empty KV `cache`, through
+    the blocks only (the output layer on one position per row cost ~60 ms per forward on 2
+    cores: the strided slice made it a batched product over a copy of the head per row).
+    generate then runs the last prompt token and samples each row on its own. A prompt that
+    several rows share (the K episodes of a group at their first step, and later while they stay
+    on one path) runs once: the distinct prompts fill the cache, which is then copied to every
+    row holding them. On a CPU (a BufferedLayer cache) they run in runs of similar lengths
+    without left padding (prefill_rows). `kept`: the list frozen_blocks records into; the
+    prompts' frozen-block output ends there as one left-padded (distinct, width - 1, H) entry.
+    Returns shared: shared[i] is row i's prompt among the distinct ones; None when the model is
+    sharded (FSDP) or the prompts are one token: generate then runs the whole prefill itself."""
+    if sharded(model) or ids.shape[1] < 2:  # FSDP: every rank in lockstep
         return None
     first = {}
     which = [first.setdefault(tuple(r), i) for i, r in enumerate(rows)]
-    if len(first) == len(rows) or ids.shape[1] < 2:
-        return None
     distinct = sorted(first.values())
     index = {i: j for j, i in enumerate(distinct)}
-    part = mask[distinct, :-1]
-    model(
-        input_ids=ids[distinct, :-1],
-        attention_mask=part,
-        position_ids=(part.cumsum(-1) - 1).clamp(min=0),
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
+    if isinstance(cache.layers[0], BufferedLayer):
+        prefill_rows(model, [rows[i][:-1] for i in distinct], ids.shape[1] - 1, cache, kept)
+    else:
+        part = mask[distinct, :-1]
+        model.get_decoder()(
+            input_ids=ids[distinct, :-1],
+            attention_mask=part,
+            position_ids=(part.cumsum(-1) - 1).clamp(min=0),
+            past_key_values=cache,
+            use_cache=True,
+        )
     shared = torch.tensor([index[i] for i in which], device=ids.device)
     cache.batch_select_indices(shared)
     return shared
+
+
+PREFILL_SLACK = 32  # tokens of padding a prompt may take to share a forward (prefill_rows)
+
+
+def prefill_rows(model, prompts, width, cache, kept=None):
+    """The prompts through the model's blocks, sorted by length and cut into runs whose lengths
+    differ by at most PREFILL_SLACK tokens, each run one forward right-padded to its longest:
+    causal attention without a mask, whose real tokens never see the padding after them. Their
+    keys and values are then written into `cache` (BufferedLayer blocks) left-padded to
+    `width`, as generate reads them; the padding's are zero and masked out. A batch of the
+    demo's prompts left-padded to the longest is ~30 % padding, and its masked attention is
+    slower than the causal one; one forward per prompt would instead pay the forward's fixed
+    cost (~40 ms on 2 cores, about 32 tokens' worth) for each."""
+    device = next(model.parameters()).device
+    order = sorted((i for i, p in enumerate(prompts) if p), key=lambda i: -len(prompts[i]))
+    runs = []
+    for i in order:
+        if runs and len(prompts[runs[-1][0]]) - len(prompts[i]) <= PREFILL_SLACK:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    done = len(kept) if kept is not None else 0
+    for run in runs:
+        longest = len(prompts[run[0]])
+        own = DynamicCache(config=model.config)
+        model.get_decoder()(
+            input_ids=torch.tensor(
+                [prompts[i] + [0] * (longest - len(prompts[i])) for i in run], device=device
+            ),
+            past_key_values=own,
+            use_cache=True,
+        )
+        for layer, computed in zip(cache.layers, own.layers):
+            layer.write_rows(run, computed, [len(prompts[i]) for i in run], len(prompts), width)
+    if kept is not None:  # one (run, longest, H) entry per run -> one (n, width, H), left-padded
+        out = kept[done].new_zeros((len(prompts), width, kept[done].shape[-1]))
+        for run, computed in zip(runs, kept[done:]):
+            for k, i in enumerate(run):
+                out[i, width - len(prompts[i]) :] = computed[k, : len(prompts[i])]
+        kept[done:] = [out]
 
 
 def frozen_rows(steps, i, prompt_len, response_len):

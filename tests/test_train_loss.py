@@ -515,7 +515,9 @@ def test_sampling_with_the_buffered_cache_and_head_cast_once_is_bit_identical(
     """generate's KV cache written in place in fp32 (BufferedLayer) and its output layer cast
     to bf16 once per call (head_cast_once) sample the same tokens with the same log-probs and
     keep the same frozen blocks' output as transformers' concatenating cache with autocast's
-    cast at every step: speed only."""
+    cast at every step: speed only. (With the BufferedLayer cache the prefill also runs in
+    runs of similar length, prefill_rows, whose rounding may differ from one batched prefill's
+    (the test above); on these short prompts it does not.)"""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
@@ -574,3 +576,39 @@ def test_keeping_the_logits_for_backward_changes_no_gradient_bit(monkeypatch):
         (got * batch["resp_mask"]).sum().backward()
         grads.append([p.grad for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize("slack", [0, 3, 1000])  # a run per prompt, some shared, one run
+def test_prefill_in_runs_of_similar_length_leaves_the_batched_prefills_cache(slack, monkeypatch):
+    """prefill_rows (sorted by length, runs right-padded, causal attention without a mask) leaves
+    the keys, values and frozen-block output that one left-padded, masked prefill of all the
+    prompts computes, up to fp32 rounding; the padding's keys and values are zero."""
+    monkeypatch.setattr(train, "PREFILL_SLACK", slack)
+    model = tiny_llama()
+    model.set_attn_implementation("grouped_sdpa")
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    prompts.append([])  # a one-token prompt: generate runs its only token
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    want, want_frozen = DynamicCache(config=model.config), []
+    got, got_frozen = train.sampling_cache(model), []
+    with torch.no_grad():
+        with train.frozen_blocks(model, 1, keep=want_frozen):
+            model.get_decoder()(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                past_key_values=want,
+                use_cache=True,
+            )
+        with train.frozen_blocks(model, 1, keep=got_frozen):
+            train.prefill_rows(model, prompts, width, got, kept=got_frozen)
+    assert len(got_frozen) == 1 and got.get_seq_length() == width
+    real = mask.bool()
+    assert torch.allclose(got_frozen[0][real], want_frozen[0][real], atol=1e-5)
+    for buffered, plain in zip(got.layers, want.layers):
+        for a, b in ((buffered.keys, plain.keys), (buffered.values, plain.values)):
+            assert a.dtype == torch.float32
+            assert torch.allclose(a.transpose(1, 2)[real], b.transpose(1, 2)[real], atol=1e-5)
+            assert not a.transpose(1, 2)[~real].any()
