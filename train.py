@@ -761,9 +761,12 @@ def autocast(device, precision):
 
 
 class SampledLogprobs(LogitsProcessor):
-    """The sampling distribution, owned: divides the logits by the temperature (generate runs at
-    temperature 1 with nothing else, so it samples from softmax of what this returns) and keeps
-    log pi(token) of each sampled token, the sampler's side of rollout_logprob_gap."""
+    """The sampler, owned: samples each row's next token from softmax(logits / temperature) and
+    keeps log pi(token) of each sampled token, the sampler's side of rollout_logprob_gap.
+    generate runs greedy and takes the pick: this returns 0 at the sampled token, -inf at every
+    other. Inverse-CDF sampling, one uniform number per row: torch.multinomial draws one
+    exponential number per vocabulary entry (~17 ms per decoding step for 16 rows of SmolLM2's
+    49,152 on 2 cores, ~20 % of the step; this takes ~2 ms)."""
 
     def __init__(self, temperature):
         self.temperature = temperature
@@ -773,9 +776,11 @@ class SampledLogprobs(LogitsProcessor):
     def __call__(self, input_ids, scores):
         if self.last is not None:  # the token sampled from the previous step's scores
             self.picked.append(self.last.gather(1, input_ids[:, -1:]))
-        scores = scores.float() / self.temperature
-        self.last = scores.log_softmax(-1)
-        return scores
+        self.last = (scores.float() / self.temperature).log_softmax(-1)
+        cdf = self.last.double().exp().cumsum(-1)  # fp64: each token's share exact to ~1e-16
+        u = torch.rand((len(cdf), 1), dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
+        token = torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[1] - 1)
+        return torch.full_like(self.last, float("-inf")).scatter_(1, token, 0.0)
 
 
 def grouped_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
@@ -929,10 +934,7 @@ def generate(
     eos = eos if isinstance(eos, list) else [eos]
     end_ids = {tok.pad_token_id, tok.eos_token_id, *eos} - {None}
     config = GenerationConfig(
-        do_sample=True,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
+        do_sample=False,  # SampledLogprobs samples; generate takes its pick
         max_new_tokens=max_new_tokens,
         pad_token_id=tok.pad_token_id,
         eos_token_id=sorted(end_ids - {tok.pad_token_id}) or tok.eos_token_id,

@@ -545,6 +545,28 @@ def test_sampling_with_the_buffered_cache_and_head_cast_once_is_bit_identical(
     assert head.dtype == torch.float32 and not head.requires_grad
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.4])
+def test_the_sampler_draws_each_token_with_its_probability(temperature):
+    """SampledLogprobs' inverse-CDF draw: over 200,000 rows, each token's frequency within 5
+    standard errors of softmax(logits / T), tokens of probability 0 never drawn; it returns 0 at
+    the pick and -inf elsewhere (generate's greedy step takes it), and keeps the pick's log-prob."""
+    torch.manual_seed(0)
+    logits = torch.tensor([0.0, 1.0, 2.0, -1.0, float("-inf"), 0.5, -3.0])
+    n = 200_000
+    sampler = train.SampledLogprobs(temperature)
+    scores = sampler(torch.zeros((n, 1), dtype=torch.long), logits.repeat(n, 1))
+    picks = scores.argmax(-1)
+    assert torch.equal(scores.isfinite().sum(-1), torch.ones(n, dtype=torch.long))
+    assert torch.all(scores.gather(1, picks[:, None]) == 0.0)
+    p = (logits / temperature).softmax(-1).double()
+    freq = torch.bincount(picks, minlength=len(logits)).double() / n
+    assert freq[4] == 0.0
+    assert torch.all((freq - p).abs() <= 5 * (p * (1 - p) / n).sqrt() + 1e-12)
+    sampler(picks[:, None], logits.repeat(n, 1))  # the next step records the previous pick
+    want = (logits / temperature).log_softmax(-1)[picks]
+    assert torch.equal(sampler.picked[0].squeeze(1), want)
+
+
 def test_the_buffered_cache_holds_what_concatenation_would():
     """BufferedLayer past its first buffer's room, and after selecting rows: the keys and
     values transformers' DynamicLayer would hold, in fp32."""
