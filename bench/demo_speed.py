@@ -95,6 +95,21 @@ def report(seed, runs):
         ("update tokens", tokens, ""),
     ):
         print(f"  {name}: {per_update(old, key):.0f} -> {per_update(new, key):.0f} {unit}")
+
+    # per unit of work: a run that learns plays shorter episodes, and the update skips samples
+    # whose advantage is 0, so the seconds per update also measure what each run learned
+    def per(rows, seconds, count):
+        return sum(map(seconds, rows)) / sum(map(count, rows))
+
+    def trained(r):
+        return r["num_samples"] * (1.0 - r["zero_adv_frac"])
+
+    for name, seconds, count in (
+        ("rollout s per env step", rollout, lambda r: r["num_samples"]),
+        ("update s per trained sample", update, trained),
+    ):
+        o, n = per(old, seconds, count), per(new, seconds, count)
+        print(f"  {name}: {o:.2f} -> {n:.2f} ({n / o:.2f}x)")
     print(f"whole run: {old_wall / 60:.1f} -> {new_wall / 60:.1f} min ({new_wall / old_wall:.2f}x)")
     for label, (rows, _) in runs.items():
         before, after, first, last = learned(rows)
