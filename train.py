@@ -924,9 +924,10 @@ def generate(
     """Sample one reply per prompt (token ids) in batched, left-padded generate calls (KV cache)
     up to '</action>' or eos. Plain temperature sampling (SampledLogprobs draws, generate takes
     its pick), configured from scratch: E12's ratio assumes it, so the model's generation_config
-    (Qwen's top_p, top_k, repetition_penalty) never applies. Returns (texts, response ids, their log-probs); with frozen = N > 0 (frozen_depth),
-    also the output of the bottom N blocks for each prompt + response, (P + R, H), which the
-    update then starts from instead of running those blocks again."""
+    (Qwen's top_p, top_k, repetition_penalty) never applies. Returns (texts, response ids, their
+    log-probs); with frozen = N > 0 (frozen_depth), also the output of the bottom N blocks for
+    each prompt + response, (P + R, H), which the update then starts from instead of running
+    those blocks again."""
     if hasattr(model, "peft_config"):  # LoRA: the wrapped model, its layers hold the adapters
         model = model.get_base_model()
     device = next(model.parameters()).device
