@@ -3,27 +3,26 @@
 
   * the vocabulary of one agent step: the outcome score C of a won episode (E2, E6), the validity
     convention of an action, the step prompt in its two response formats, the reply parser;
-  * ALFWorld on the real engine (the `alfworld` package, imported on first use);
-  * the parallel env pool that steps any env (ALFWorld, or WebShop from extras/webshop.py) in
-    worker processes.
+  * ALFWorld on the real engine (the `alfworld` package, imported on first use), on a folder of
+    games the caller gives;
+  * the parallel env pool that steps any env class (AlfWorldEnv, or WebShopEnv of
+    extras/webshop.py) in worker processes.
 
-Generated ALFWorld games (extras/alfworld_gen.py) and the WebShop client (extras/webshop.py) are
-imported only when a run needs them.
+Imports run one way: extras/ imports this file, never the reverse. Which env a run plays, and
+whether ALFWorld games must be generated first (extras/alfworld_gen.py), is chosen by the caller:
+train.py's make_pool and alfworld_kwargs.
 """
 
 import functools
 import hashlib
+import importlib
 import json
 import os
 import re
 import select
-import shutil
 import subprocess
 import sys
-import tempfile
 import weakref
-
-from tqdm import tqdm
 
 # ---------------------------------------------------------------------------------------------
 # The vocabulary of one step: reward, actions, the prompt, the reply parser
@@ -40,10 +39,6 @@ ALFWORLD_TASK_TYPES = {
     "pick2": "pick_two_obj_and_place",
 }
 ALFWORLD_SHORT_TYPE = {v: k for k, v in ALFWORLD_TASK_TYPES.items()}
-ALFWORLD_DEFAULT_GAMES = (
-    24,
-    6,
-)  # generated when no data is given: train games, games per eval split
 
 RESPONSE_FORMATS = ("think", "action")
 # The prefill of the "action" format: prompt tokens (never generated, never trained), so a reply
@@ -188,7 +183,6 @@ def fit_prompt(tok, goal, history, obs, admissible, env, response_format, limit)
 # ---------------------------------------------------------------------------------------------
 SPLITS = {"alfworld": ("train", "valid_seen", "valid_unseen"), "webshop": ("train", "test")}
 ALFWORLD_SPLITS = SPLITS["alfworld"]
-DEFAULT_NUM_TRAIN, DEFAULT_NUM_EVAL = ALFWORLD_DEFAULT_GAMES  # generated default: ~25 s, once
 STATE_KEYS = ("facts", "obs")
 BANNER = "-= Welcome to TextWorld, ALFRED! =-"
 NOTHING = "Nothing happens."  # textworld's answer to a non-admissible command
@@ -352,11 +346,6 @@ class AlfWorldGame:
             lib.cleanup()
 
 
-def _cache_dir():
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "tigpo")
-
-
 def task_types_of(value):
     """A task-type selection as a tuple of short names: None or "all" = all six; "pick,look" or a
     sequence picks some."""
@@ -371,56 +360,23 @@ def task_types_of(value):
     return tuple(t for t in ALFWORLD_TASK_TYPES if t in types)
 
 
-def resolve_alfworld_data(
-    data_dir=None,
-    seed=0,
-    num_train=DEFAULT_NUM_TRAIN,
-    num_eval=DEFAULT_NUM_EVAL,
-    task_types=None,
-    max_receptacles=None,
-):
-    """The json_2.1.1 folder to play: data_dir, else $ALFWORLD_DATA, else generated games in the
-    user cache (made once, keyed by seed, counts, task types and scene size). A folder the user
-    named but that holds no json_2.1.1 is an error, never a silent fallback."""
+def given_alfworld_data(data_dir=None):
+    """The json_2.1.1 folder of the games the user named: data_dir, else $ALFWORLD_DATA; None when
+    neither is set (train.py then generates games, extras/alfworld_gen.py). data_dir may name the
+    folder that holds json_2.1.1 or json_2.1.1 itself. A folder the user named but that holds no
+    json_2.1.1 is an error, never a silent fallback."""
     given = data_dir or os.environ.get("ALFWORLD_DATA")
-    if given:
-        given = os.path.abspath(os.path.expanduser(given))
-        for root in (os.path.join(given, "json_2.1.1"), given):
-            if os.path.basename(root) == "json_2.1.1" and os.path.isdir(root):
-                return root
-        raise ValueError(
-            f"ALFWorld data folder {given} has no json_2.1.1/ (from "
-            f"{'data_dir' if data_dir else 'ALFWORLD_DATA'}): run `alfworld-download`, "
-            f"or `python envs.py generate {given}`, or unset it to use generated games"
-        )
-    types = task_types_of(task_types)
-    name = f"alfworld-{seed}-{num_train}-{num_eval}"
-    if types != tuple(ALFWORLD_TASK_TYPES):
-        name += "-" + "-".join(types)
-    if max_receptacles:
-        name += f"-r{max_receptacles}"
-    target = os.path.join(_cache_dir(), name)
-    root = os.path.join(target, "json_2.1.1")
-    if not os.path.isdir(root):
-        os.makedirs(_cache_dir(), exist_ok=True)
-        print(
-            f"tigpo: no ALFWORLD_DATA; generating {num_train}+{num_eval}+{num_eval} ALFWorld "
-            f"games once into {target}",
-            file=sys.stderr,
-        )
-        tmp = tempfile.mkdtemp(prefix="alfworld-tmp-", dir=_cache_dir())
-        try:
-            generate_games(tmp, num_train, num_eval, seed, types, max_receptacles)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        try:
-            os.rename(tmp, target)  # atomic: a concurrent generator may have won the race
-        except OSError:
-            if not os.path.isdir(root):
-                raise
-            shutil.rmtree(tmp)
-    return root
+    if not given:
+        return None
+    given = os.path.abspath(os.path.expanduser(given))
+    for root in (os.path.join(given, "json_2.1.1"), given):
+        if os.path.basename(root) == "json_2.1.1" and os.path.isdir(root):
+            return root
+    raise ValueError(
+        f"ALFWorld data folder {given} has no json_2.1.1/ (from "
+        f"{'data_dir' if data_dir else 'ALFWORLD_DATA'}): run `alfworld-download`, "
+        f"or `python -m extras.alfworld_gen {given}`, or unset it to use generated games"
+    )
 
 
 def scene_size(pddl_problem):
@@ -440,7 +396,7 @@ def alfworld_tasks(root, split, task_types=None, max_receptacles=None):
         raise ValueError(
             f"ALFWorld data folder {root} has no {split}/ split (have "
             f"{sorted(os.listdir(root))}): pass split= one of {ALFWORLD_SPLITS}, or regenerate "
-            f"with `python envs.py generate`"
+            f"with `python -m extras.alfworld_gen`"
         )
     keys = []
     for folder, _, files in os.walk(split_dir):
@@ -466,7 +422,7 @@ def alfworld_tasks(root, split, task_types=None, max_receptacles=None):
             f"types {task_types_of(task_types)} in scenes of at most {max_receptacles or 'any'} "
             "receptacles: widen the selection (train.py: --task-types all --max-receptacles 0), "
             "or "
-            f"re-run `alfworld-download` / `python envs.py generate`"
+            f"re-run `alfworld-download` / `python -m extras.alfworld_gen`"
         )
     return tuple(sorted(keys))
 
@@ -491,7 +447,9 @@ def eval_subset(tasks, n):
 
 
 class AlfWorldEnv:
-    """The env of make_env("alfworld"): a split of games, one episode at a time."""
+    """ALFWorld: the games of one split of a json_2.1.1 folder (data_dir, else $ALFWORLD_DATA: see
+    given_alfworld_data), filtered to task_types and scenes of at most max_receptacles, one
+    episode at a time."""
 
     def __init__(
         self,
@@ -499,19 +457,20 @@ class AlfWorldEnv:
         data_dir=None,
         max_steps=50,
         state_key="facts",
-        seed=0,
         task_types=None,
         max_receptacles=None,
-        num_train=DEFAULT_NUM_TRAIN,
-        num_eval=DEFAULT_NUM_EVAL,
     ):
         if split not in ALFWORLD_SPLITS:
             raise ValueError(f"split must be one of {ALFWORLD_SPLITS}, got {split!r}")
         check_state_key(state_key)
         self.types, self.max_receptacles = task_types_of(task_types), max_receptacles
-        self.root = resolve_alfworld_data(
-            data_dir, seed, num_train, num_eval, self.types, max_receptacles
-        )
+        self.root = given_alfworld_data(data_dir)
+        if self.root is None:
+            raise ValueError(
+                "AlfWorldEnv: no ALFWorld data: pass data_dir or set ALFWORLD_DATA to a folder "
+                "holding json_2.1.1/ (`alfworld-download`), or generate one with "
+                "`python -m extras.alfworld_gen OUT_DIR` (train.py does when neither is given)"
+            )
         self.split, self.max_steps, self.state_key = split, max_steps, state_key
         if not os.path.isdir(os.path.join(self.root, split)):
             alfworld_tasks(self.root, split)  # raises the error that names the folder
@@ -551,129 +510,6 @@ class AlfWorldEnv:
         self._game, self._task = None, None
 
 
-def make_env(name, **kwargs):
-    """An environment by name: "alfworld" (AlfWorldEnv) or "webshop" (webshop.WebShopEnv)."""
-    if name == "alfworld":
-        return AlfWorldEnv(**kwargs)
-    if name == "webshop":
-        from extras import webshop  # imported only for WebShop runs
-
-        return webshop.WebShopEnv(**kwargs)
-    raise ValueError(f"unknown env {name!r}: choose 'alfworld' or 'webshop'")
-
-
-def generate_games(
-    out_dir,
-    num_train=DEFAULT_NUM_TRAIN,
-    num_eval=DEFAULT_NUM_EVAL,
-    seed=0,
-    task_types=tuple(ALFWORLD_TASK_TYPES),
-    max_receptacles=None,
-    verify=True,
-    progress=True,
-):
-    """Generate ALFWorld games offline into out_dir/json_2.1.1 (alfworld_gen.generate) with a
-    progress bar, and play each game's walkthrough through AlfWorldGame: every step must be
-    admissible and the last one must win (the solvability check; the planner is never called).
-    Returns the written game paths."""
-    from extras import alfworld_gen  # imported only when games must be made
-
-    written, player = [], None  # one env replays every walkthrough (see AlfWorldGame.load)
-    total = num_train + 2 * num_eval
-    bar = tqdm(
-        total=total,
-        desc="generating games",
-        unit="game",
-        disable=not progress,
-        dynamic_ncols=True,
-        leave=False,
-    )
-    try:
-        for _, path, walkthrough in alfworld_gen.generate(
-            out_dir, num_train, num_eval, seed, task_types, max_receptacles
-        ):
-            if verify:
-                player = _play_walkthrough(player, path, walkthrough)
-            written.append(path)
-            bar.update()
-    finally:
-        bar.close()
-        if player is not None:
-            player.close()
-    return written
-
-
-def _play_walkthrough(player, path, walkthrough):
-    """Play a generated game's walkthrough: every step admissible, the last one wins."""
-    if player is None:
-        player = AlfWorldGame(path)
-    else:
-        player.load(path)
-    player.max_steps = len(walkthrough) + 1
-    player.reset()
-    for i, command in enumerate(walkthrough):
-        _, _, done, info = player.step(command)
-        if not info["valid"]:
-            raise RuntimeError(
-                f"generator bug: walkthrough step {i} {command!r} is not admissible in {path}"
-            )
-    if not info["won"]:
-        raise RuntimeError(f"generator bug: walkthrough does not win {path}")
-    return player
-
-
-def generate_main(argv=None):
-    """`python envs.py generate OUT_DIR ...`: generate a game set for ALFWORLD_DATA / --data-dir."""
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        prog="python envs.py generate",
-        description=(
-            "Generate ALFWorld games offline (official json_2.1.1 layout), each with a walkthrough "
-            "checked to win. Point ALFWORLD_DATA (or train.py --data-dir) at OUT_DIR."
-        ),
-    )
-    parser.add_argument(
-        "out_dir", help="folder that receives json_2.1.1/{train,valid_seen,valid_unseen}"
-    )
-    parser.add_argument("--num-train", type=int, default=DEFAULT_NUM_TRAIN, help="games in train")
-    parser.add_argument(
-        "--num-eval",
-        type=int,
-        default=DEFAULT_NUM_EVAL,
-        help="games in each of valid_seen, valid_unseen",
-    )
-    parser.add_argument(
-        "--seed", type=int, default=0, help="generation seed (same seed, same games)"
-    )
-    parser.add_argument(
-        "--task-types",
-        default=",".join(ALFWORLD_TASK_TYPES),
-        help="comma-separated task types, taken in turn (default: all six)",
-    )
-    parser.add_argument(
-        "--max-receptacles",
-        type=int,
-        default=None,
-        help="only scenes with at most this many receptacles (default: any)",
-    )
-    parser.add_argument("--no-verify", action="store_true", help="skip playing each walkthrough")
-    args = parser.parse_args(argv)
-    try:
-        paths = generate_games(
-            args.out_dir,
-            args.num_train,
-            args.num_eval,
-            args.seed,
-            tuple(args.task_types.split(",")),
-            args.max_receptacles,
-            verify=not args.no_verify,
-        )
-    except ValueError as e:
-        parser.error(str(e))
-    print(f"wrote {len(paths)} games under {os.path.join(args.out_dir, 'json_2.1.1')}")
-
-
 # ---------------------------------------------------------------------------------------------
 # Parallel env pool (docs/ALGORITHM.md "Parallel envs"). Each worker is a plain `python envs.py
 # worker` subprocess speaking one JSON line per request on its stdin/stdout: no fork of a parent
@@ -689,28 +525,22 @@ class EnvPool:
     reward 0.0, its last done flag, info {}. A crashed game or a dead worker ends its episodes as
     failures (reward 0.0, done True, info["crash"] says why); a dead worker is restarted and the
     batch goes on. A worker that does not answer within worker_timeout seconds (a hung game) is
-    killed and
-    counted as dead."""
+    killed and counted as dead."""
 
-    def __init__(self, name, num_workers=2, worker_timeout=600.0, **make_env_kwargs):
+    def __init__(self, env_class, num_workers=2, worker_timeout=600.0, **env_kwargs):
+        """env_class(**env_kwargs) makes one env in a worker (AlfWorldEnv, webshop.WebShopEnv).
+        The worker imports the class by its module and name, as pickle would: the caller picks
+        the env, and this file imports no env module it does not define."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        if name == "alfworld":
-            # resolve (and, the first time, generate) the data once here, not in every worker
-            kw = make_env_kwargs
-            make_env_kwargs["data_dir"] = os.path.dirname(
-                resolve_alfworld_data(
-                    kw.get("data_dir"),
-                    kw.get("seed", 0),
-                    kw.get("num_train", DEFAULT_NUM_TRAIN),
-                    kw.get("num_eval", DEFAULT_NUM_EVAL),
-                    kw.get("task_types"),
-                    kw.get("max_receptacles"),
-                )
+        module = getattr(env_class, "__module__", None)
+        found = getattr(sys.modules.get(module), getattr(env_class, "__qualname__", ""), None)
+        if module == "__main__" or found is not env_class:
+            raise ValueError(
+                f"EnvPool takes an env class its workers can import by module and name "
+                f"(envs.AlfWorldEnv, webshop.WebShopEnv), got {env_class!r}"
             )
-        elif name != "webshop":
-            make_env(name)  # raises the ValueError naming the choices
-        self.name, self.kwargs, self.num_workers = name, make_env_kwargs, num_workers
+        self.env_class, self.kwargs, self.num_workers = env_class, env_kwargs, num_workers
         self.worker_timeout = worker_timeout
         self._procs = [None] * num_workers
         self._dones, self._owner = [], []  # per slot of the last reset: done flag, worker
@@ -726,7 +556,8 @@ class EnvPool:
             sys.executable,
             os.path.abspath(__file__),
             "worker",
-            self.name,
+            self.env_class.__module__,
+            self.env_class.__qualname__,
             json.dumps(self.kwargs),
         ]
         self._procs[w] = subprocess.Popen(
@@ -853,11 +684,13 @@ class _Fatal(Exception):
     """A worker-side error that is the caller's bug: sent back and raised in the parent."""
 
 
-def _worker(name, kwargs):
-    """The loop of one pool worker. A game that raises ends only its own episode (info["crash"])."""
+def _worker(module, name, kwargs):
+    """The loop of one pool worker, whose envs are module.name(**kwargs). A game that raises ends
+    only its own episode (info["crash"])."""
     out = os.fdopen(os.dup(1), "w")  # protocol channel; anything printed goes to stderr instead
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    env_class = getattr(importlib.import_module(module), name)
     envs = {}
     for line in sys.stdin:
         msg = json.loads(line)
@@ -871,13 +704,9 @@ def _worker(name, kwargs):
                 for j, task in msg["tasks"].items():
                     if j not in envs:
                         try:
-                            envs[j] = make_env(name, **kwargs)
-                        except (
-                            Exception
-                        ) as e:  # a bad configuration is the caller's bug: fail loudly
-                            raise _Fatal(
-                                f"make_env({name!r}) failed: {type(e).__name__}: {e}"
-                            ) from e
+                            envs[j] = env_class(**kwargs)
+                        except Exception as e:  # a bad configuration is the caller's bug: loud
+                            raise _Fatal(f"{name}() failed: {type(e).__name__}: {e}") from e
                     try:
                         results[j] = envs[j].reset(task)
                     except TaskError as e:  # so is an unknown task key
@@ -905,13 +734,14 @@ def _worker(name, kwargs):
 
 
 def main(argv):
-    if argv[:1] == ["worker"]:
-        _worker(argv[1], json.loads(argv[2]))
-    elif argv[:1] == ["generate"]:
-        generate_main(argv[1:])
-    else:
-        print("usage: python envs.py generate --help", file=sys.stderr)
+    if argv[:1] != ["worker"] or len(argv) != 4:
+        print(
+            "envs.py runs only as EnvPool's worker: python envs.py worker MODULE NAME KWARGS_JSON"
+            " (to generate ALFWorld games: python -m extras.alfworld_gen --help)",
+            file=sys.stderr,
+        )
         sys.exit(2)
+    _worker(argv[1], argv[2], json.loads(argv[3]))
 
 
 if __name__ == "__main__":

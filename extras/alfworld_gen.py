@@ -4,25 +4,32 @@ json_2.1.1/<split>/<task>-<obj>-<mrecep>-<recep>- <scene>/<trial>/{game.tw-pddl,
 from what the `alfworld` wheel ships: the PDDL domain (alfworld/data/alfred.pddl), the text
 grammar (alfred.twl2), the goal library (alfworld/gen/ goal_library.py) and the scene layouts
 (alfworld/gen/layouts/FloorPlan*). The generator knows where it put every object, so it writes
-the winning walkthrough itself; envs.generate_games plays each one through the env to check it.
-The fast-downward planner is never called (minutes per game).
+the winning walkthrough itself; generate_games plays each one through envs.AlfWorldGame to check
+it. The fast-downward planner is never called (minutes per game).
 
-Imports envs (task types, the alfworld import) and alfworld; envs.generate_games imports this module
-when games must be made."""
+Imports envs (task types, the alfworld import, the game player) and alfworld; envs never imports
+this module. train.py does, when neither --data-dir nor ALFWORLD_DATA names games (cached_games).
+By hand, from the repository root: `python -m extras.alfworld_gen OUT_DIR` (--help for more)."""
 
 import json
 import os
 import random
+import shutil
+import sys
+import tempfile
 from types import SimpleNamespace
 
 import numpy as np
+from tqdm import tqdm
 
 from envs import ALFWORLD_TASK_TYPES as TASK_TYPES
-from envs import import_alfworld
+from envs import AlfWorldGame, import_alfworld, task_types_of
 
 alfworld = import_alfworld()
 import alfworld.gen.constants as C  # noqa: E402
 import alfworld.gen.goal_library as goal_library  # noqa: E402
+
+NUM_TRAIN, NUM_EVAL = 24, 6  # the default game set (train games, games per eval split): ~25 s
 
 # the appliance a task needs in its scene, and the verb of the walkthrough step that uses it
 APPLIANCE = {
@@ -353,7 +360,12 @@ def _scene_kind(num):
 
 
 def generate(
-    out_dir, num_train=24, num_eval=6, seed=0, task_types=tuple(TASK_TYPES), max_receptacles=None
+    out_dir,
+    num_train=NUM_TRAIN,
+    num_eval=NUM_EVAL,
+    seed=0,
+    task_types=tuple(TASK_TYPES),
+    max_receptacles=None,
 ):
     """Write num_train games to json_2.1.1/train and num_eval to each of valid_seen and
     valid_unseen under out_dir, the given task types round-robin (with all six, any count >= 6
@@ -361,7 +373,7 @@ def generate(
     small scene means few places to go, so few admissible actions). Deterministic for a seed
     and these settings. A generator: yields
     (split, game path, walkthrough) as each game is written, so the caller can show progress and
-    play the walkthrough (envs.generate_games does both)."""
+    play the walkthrough (generate_games does both)."""
     if num_train < 0 or num_eval < 0:
         raise ValueError("generate: num_train and num_eval must be >= 0")
     unknown = sorted(set(task_types) - set(TASK_TYPES))
@@ -436,3 +448,158 @@ def generate(
                 json.dump(traj, f, indent=1)
             made += 1
             yield split, path, game["walkthrough"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Checked game sets: in a folder (generate_games, the command line), or the default set in the
+# user cache that train.py plays when no data is given (cached_games)
+# ---------------------------------------------------------------------------------------------
+def generate_games(
+    out_dir,
+    num_train=NUM_TRAIN,
+    num_eval=NUM_EVAL,
+    seed=0,
+    task_types=tuple(TASK_TYPES),
+    max_receptacles=None,
+    verify=True,
+    progress=True,
+):
+    """Generate ALFWorld games into out_dir/json_2.1.1 (generate) with a progress bar, and play
+    each game's walkthrough through envs.AlfWorldGame: every step must be admissible and the last
+    one must win (the solvability check; the planner is never called). Returns the written game
+    paths."""
+    written, player = [], None  # one game replays every walkthrough (see AlfWorldGame.load)
+    total = num_train + 2 * num_eval
+    bar = tqdm(
+        total=total,
+        desc="generating games",
+        unit="game",
+        disable=not progress,
+        dynamic_ncols=True,
+        leave=False,
+    )
+    try:
+        for _, path, steps in generate(
+            out_dir, num_train, num_eval, seed, task_types, max_receptacles
+        ):
+            if verify:
+                player = _play_walkthrough(player, path, steps)
+            written.append(path)
+            bar.update()
+    finally:
+        bar.close()
+        if player is not None:
+            player.close()
+    return written
+
+
+def _play_walkthrough(player, path, steps):
+    """Play a generated game's walkthrough: every step admissible, the last one wins."""
+    if player is None:
+        player = AlfWorldGame(path)
+    else:
+        player.load(path)
+    player.max_steps = len(steps) + 1
+    player.reset()
+    for i, command in enumerate(steps):
+        _, _, done, info = player.step(command)
+        if not info["valid"]:
+            raise RuntimeError(
+                f"generator bug: walkthrough step {i} {command!r} is not admissible in {path}"
+            )
+    if not info["won"]:
+        raise RuntimeError(f"generator bug: walkthrough does not win {path}")
+    return player
+
+
+def _cache_dir():
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tigpo")
+
+
+def cached_games(
+    seed=0, num_train=NUM_TRAIN, num_eval=NUM_EVAL, task_types=None, max_receptacles=None
+):
+    """The json_2.1.1 folder of generated games in the user cache, made once, keyed by seed,
+    counts, task types and scene size: what a run plays when no ALFWorld data is given."""
+    types = task_types_of(task_types)
+    name = f"alfworld-{seed}-{num_train}-{num_eval}"
+    if types != tuple(TASK_TYPES):
+        name += "-" + "-".join(types)
+    if max_receptacles:
+        name += f"-r{max_receptacles}"
+    target = os.path.join(_cache_dir(), name)
+    root = os.path.join(target, "json_2.1.1")
+    if not os.path.isdir(root):
+        os.makedirs(_cache_dir(), exist_ok=True)
+        print(
+            f"tigpo: no ALFWORLD_DATA; generating {num_train}+{num_eval}+{num_eval} ALFWorld "
+            f"games once into {target}",
+            file=sys.stderr,
+        )
+        tmp = tempfile.mkdtemp(prefix="alfworld-tmp-", dir=_cache_dir())
+        try:
+            generate_games(tmp, num_train, num_eval, seed, types, max_receptacles)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        try:
+            os.rename(tmp, target)  # atomic: a concurrent generator may have won the race
+        except OSError:
+            if not os.path.isdir(root):
+                raise
+            shutil.rmtree(tmp)
+    return root
+
+
+def main(argv=None):
+    """`python -m extras.alfworld_gen OUT_DIR ...`: a game set for ALFWORLD_DATA / --data-dir."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m extras.alfworld_gen",
+        description=(
+            "Generate ALFWorld games offline (official json_2.1.1 layout), each with a walkthrough "
+            "checked to win. Point ALFWORLD_DATA (or train.py --data-dir) at OUT_DIR."
+        ),
+    )
+    parser.add_argument(
+        "out_dir", help="folder that receives json_2.1.1/{train,valid_seen,valid_unseen}"
+    )
+    parser.add_argument("--num-train", type=int, default=NUM_TRAIN, help="games in train")
+    parser.add_argument(
+        "--num-eval", type=int, default=NUM_EVAL, help="games in each of valid_seen, valid_unseen"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="generation seed (same seed, same games)"
+    )
+    parser.add_argument(
+        "--task-types",
+        default=",".join(TASK_TYPES),
+        help="comma-separated task types, taken in turn (default: all six)",
+    )
+    parser.add_argument(
+        "--max-receptacles",
+        type=int,
+        default=None,
+        help="only scenes with at most this many receptacles (default: any)",
+    )
+    parser.add_argument("--no-verify", action="store_true", help="skip playing each walkthrough")
+    args = parser.parse_args(argv)
+    try:
+        paths = generate_games(
+            args.out_dir,
+            args.num_train,
+            args.num_eval,
+            args.seed,
+            tuple(args.task_types.split(",")),
+            args.max_receptacles,
+            verify=not args.no_verify,
+        )
+    except ValueError as e:
+        parser.error(str(e))
+    print(f"wrote {len(paths)} games under {os.path.join(args.out_dir, 'json_2.1.1')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,8 +1,9 @@
 """extras/webshop.py: the WebShop environment over HTTP (docs/ALGORITHM.md "Environments"). Talks
 with `requests` to WebShop's own Flask server (princeton-nlp/WebShop, web_agent_site/app.py, port
 3000), the way the ReAct WebShop experiments did, and gives it the ALFWorld env API of envs.py
-(envs.make_env("webshop") imports this module): `tasks`, `reset(task) -> (obs, info)`,
-`step(text) -> (obs, reward, done, info)`, `close()`.
+(train.py's make_pool imports this module for --env webshop; envs.EnvPool's workers import it by
+name): `tasks`, `reset(task) -> (obs, info)`, `step(text) -> (obs, reward, done, info)`, `close()`.
+Imports envs (the reward, the validity convention, TaskError); envs never imports this module.
 
 What mirrors the real app: the five routes and their argument formats (URL building below), the
 page structure the parser relies on (ids `instruction-text`, `search_input`, `reward`; `<button>`s,

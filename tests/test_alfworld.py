@@ -1,6 +1,7 @@
 """ALFWorld on the real engine (docs/ALGORITHM.md "Environments"): generated games of all six task
-types are won by their walkthroughs through make_env; reward/done/won; invalid actions; state keys;
-the official data layout; the clear error for a broken data folder; generator determinism."""
+types are won by their walkthroughs through AlfWorldEnv; reward/done/won; invalid actions; state
+keys; the official data layout; the clear error for a broken or missing data folder; the default
+game set made once in the user cache; generator determinism."""
 
 import json
 import os
@@ -24,7 +25,7 @@ def walkthrough(data, task):
 
 @pytest.fixture(scope="module")
 def env(alfworld_data):
-    env = envs.make_env("alfworld", split="train", data_dir=alfworld_data)
+    env = envs.AlfWorldEnv(split="train", data_dir=alfworld_data)
     yield env
     env.close()
 
@@ -70,7 +71,7 @@ def test_invalid_action_is_a_harmless_step(env):
 
 
 def test_episode_ends_at_max_steps_without_reward(alfworld_data):
-    env = envs.make_env("alfworld", split="train", data_dir=alfworld_data, max_steps=3)
+    env = envs.AlfWorldEnv(split="train", data_dir=alfworld_data, max_steps=3)
     env.reset(env.tasks[0])
     results = [env.step("look") for _ in range(3)]
     assert [r[2] for r in results] == [False, False, True]
@@ -105,7 +106,7 @@ def test_facts_state_key_is_the_world_state(env, alfworld_data):
 
 
 def test_obs_state_key_uses_observation_location_and_held_object(alfworld_data):
-    env = envs.make_env("alfworld", split="train", data_dir=alfworld_data, state_key="obs")
+    env = envs.AlfWorldEnv(split="train", data_dir=alfworld_data, state_key="obs")
     task = env.tasks[0]
     _, info = env.reset(task)
     start = info["state"]
@@ -135,29 +136,30 @@ def test_official_layout_tree_loads_splits_and_skips_what_alfworld_skips(
     movable = "pick_and_place_with_movable_recep-" + first.split("-", 1)[1]
     shutil.copytree(dst / "train" / first, dst / "train" / movable)
     monkeypatch.setenv("ALFWORLD_DATA", str(tmp_path / "data"))
-    expected = envs.make_env("alfworld", split="train", data_dir=alfworld_data).tasks
+    expected = envs.AlfWorldEnv(split="train", data_dir=alfworld_data).tasks
     for split in envs.ALFWORLD_SPLITS:
-        env = envs.make_env("alfworld", split=split)  # found through ALFWORLD_DATA
+        env = envs.AlfWorldEnv(split=split)  # found through ALFWORLD_DATA
         assert env.tasks and all(t.startswith(split + "/") and KEY_RE.match(t) for t in env.tasks)
         if split == "train":
             assert env.tasks == expected
     # data_dir may also name the json_2.1.1 folder itself
-    assert envs.make_env("alfworld", split="valid_unseen", data_dir=str(dst)).tasks
+    assert envs.AlfWorldEnv(split="valid_unseen", data_dir=str(dst)).tasks
 
 
 def test_broken_data_folder_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=re.escape(str(tmp_path)) + ".*alfworld-download"):
-        envs.make_env("alfworld", data_dir=str(tmp_path))
+        envs.AlfWorldEnv(data_dir=str(tmp_path))
     monkeypatch.setenv("ALFWORLD_DATA", str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="ALFWORLD_DATA"):
-        envs.make_env("alfworld")
+        envs.AlfWorldEnv()
     (tmp_path / "json_2.1.1" / "train").mkdir(parents=True)
     with pytest.raises(ValueError, match="no solvable games"):
-        _ = envs.make_env("alfworld", data_dir=str(tmp_path)).tasks
+        _ = envs.AlfWorldEnv(data_dir=str(tmp_path)).tasks
     with pytest.raises(ValueError, match="valid_seen"):
-        envs.make_env("alfworld", split="valid_seen", data_dir=str(tmp_path))
-    with pytest.raises(ValueError, match="'alfworld' or 'webshop'"):
-        envs.make_env("atari")
+        envs.AlfWorldEnv(split="valid_seen", data_dir=str(tmp_path))
+    monkeypatch.delenv("ALFWORLD_DATA")  # no data at all: the error says how to get some
+    with pytest.raises(ValueError, match="no ALFWorld data.*alfworld-download.*alfworld_gen"):
+        envs.AlfWorldEnv()
 
 
 def test_unknown_task_is_an_error(env):
@@ -166,13 +168,16 @@ def test_unknown_task_is_an_error(env):
 
 
 def test_default_data_is_generated_once_in_the_user_cache(tmp_path, monkeypatch, capsys):
+    from extras import alfworld_gen
+
     monkeypatch.delenv("ALFWORLD_DATA", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    root = envs.resolve_alfworld_data(None, seed=3, num_train=1, num_eval=0)
+    root = alfworld_gen.cached_games(seed=3, num_train=1, num_eval=0)
     assert root == str(tmp_path / "tigpo" / "alfworld-3-1-0" / "json_2.1.1")
     assert "generating" in capsys.readouterr().err
-    assert envs.resolve_alfworld_data(None, seed=3, num_train=1, num_eval=0) == root
+    assert alfworld_gen.cached_games(seed=3, num_train=1, num_eval=0) == root
     assert "generating" not in capsys.readouterr().err  # made once
+    assert envs.AlfWorldEnv(data_dir=root).tasks  # a folder envs plays as given
 
 
 def test_generator_is_deterministic_for_a_seed(tmp_path):
@@ -204,7 +209,7 @@ def test_switching_tasks_reuses_one_planner_library(alfworld_data):
         with open("/proc/self/maps") as f:
             return sum("libdownward" in line for line in f)
 
-    env = envs.make_env("alfworld", split="train", data_dir=alfworld_data)
+    env = envs.AlfWorldEnv(split="train", data_dir=alfworld_data)
     env.reset(env.tasks[0])
     after_one = copies()
     for task in env.tasks[1:]:

@@ -38,12 +38,14 @@ def alive(pid):
 
 
 def test_pool_equals_single_env_for_any_number_of_workers(alfworld_data):
-    env = envs.make_env("alfworld", split="train", data_dir=alfworld_data)
+    env = envs.AlfWorldEnv(split="train", data_dir=alfworld_data)
     tasks = env.tasks[:4] + env.tasks[:2]  # K rollouts of one task are separate envs
     walks = plans(alfworld_data, tasks)
     traces = []
     for workers in (1, 2):
-        pool = envs.EnvPool("alfworld", num_workers=workers, split="train", data_dir=alfworld_data)
+        pool = envs.EnvPool(
+            envs.AlfWorldEnv, num_workers=workers, split="train", data_dir=alfworld_data
+        )
         traces.append(play(pool, tasks, walks))
         pool.close()
     assert traces[0] == traces[1]
@@ -69,12 +71,12 @@ def test_pool_equals_single_env_for_any_number_of_workers(alfworld_data):
 def test_crashed_game_and_killed_worker_end_only_their_episodes(alfworld_data, tmp_path):
     data = tmp_path / "data"
     shutil.copytree(os.path.join(alfworld_data, "json_2.1.1"), data / "json_2.1.1")
-    tasks = envs.make_env("alfworld", split="train", data_dir=str(data)).tasks
+    tasks = envs.AlfWorldEnv(split="train", data_dir=str(data)).tasks
     broken = data / "json_2.1.1" / tasks[0]
     broken.write_text(
         json.dumps(dict(json.loads(broken.read_text()), pddl_problem="(define (problem"))
     )
-    pool = envs.EnvPool("alfworld", num_workers=2, split="train", data_dir=str(data))
+    pool = envs.EnvPool(envs.AlfWorldEnv, num_workers=2, split="train", data_dir=str(data))
     obs, infos = pool.reset(tasks[:4])
     assert "crash" in infos[0] and all("crash" not in i for i in infos[1:])
     pids = pool.pids
@@ -100,8 +102,8 @@ def test_hung_worker_is_killed_after_the_timeout_and_the_batch_goes_on(alfworld_
     # The timeout is shortened only once the workers are up and their games loaded: a reset on a
     # busy machine may take seconds, and must not count as a hang. A step of "look" takes
     # milliseconds, so 5 s is a margin that holds at any load a CI machine sees.
-    pool = envs.EnvPool("alfworld", num_workers=2, split="train", data_dir=alfworld_data)
-    tasks = envs.make_env("alfworld", split="train", data_dir=alfworld_data).tasks[:2]
+    pool = envs.EnvPool(envs.AlfWorldEnv, num_workers=2, split="train", data_dir=alfworld_data)
+    tasks = envs.AlfWorldEnv(split="train", data_dir=alfworld_data).tasks[:2]
     obs, infos = pool.reset(tasks)
     assert all("crash" not in i for i in infos)
     pool.worker_timeout = 5.0
@@ -118,10 +120,11 @@ def test_hung_worker_is_killed_after_the_timeout_and_the_batch_goes_on(alfworld_
 
 
 def test_pool_rejects_unknown_env_and_misaligned_actions(alfworld_data):
-    with pytest.raises(ValueError, match="'alfworld' or 'webshop'"):
-        envs.EnvPool("atari")
-    pool = envs.EnvPool("alfworld", num_workers=1, data_dir=alfworld_data)
-    pool.reset(envs.make_env("alfworld", data_dir=alfworld_data).tasks[:2])
+    for not_a_class in ("alfworld", lambda: None):  # a name, or nothing a worker can import
+        with pytest.raises(ValueError, match="env class its workers can import"):
+            envs.EnvPool(not_a_class)
+    pool = envs.EnvPool(envs.AlfWorldEnv, num_workers=1, data_dir=alfworld_data)
+    pool.reset(envs.AlfWorldEnv(data_dir=alfworld_data).tasks[:2])
     with pytest.raises(ValueError, match="2 envs"):
         pool.step(["look"])
     pool.close()

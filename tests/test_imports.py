@@ -1,7 +1,8 @@
 """The shape a reader relies on: a one-GPU run loads train.py, tigpo.py and envs.py and nothing
 else of the project; the opt-in modules of extras/ are imported only inside the functions that
-need them; the module-level imports run one way (tigpo is a leaf); the top level holds the six
-pieces plus a few entries; WebShop and the prompt work on a machine without ALFWorld."""
+need them; the imports run one way, counting those inside functions (tigpo is a leaf, envs never
+imports extras); the top level holds the six pieces plus a few entries; WebShop and the prompt
+work on a machine without ALFWorld."""
 
 import ast
 import os
@@ -22,8 +23,8 @@ FILES.update(
 )
 
 
-def imports_of(module, top_level_only):
-    """The project modules `module` imports (at module level only, or anywhere)."""
+def imported_names(module, top_level_only):
+    """Every module name `module` imports (at module level only, or anywhere, functions too)."""
     with open(os.path.join(ROOT, FILES[module])) as fh:
         tree = ast.parse(fh.read())
     nodes = tree.body if top_level_only else list(ast.walk(tree))
@@ -34,7 +35,32 @@ def imports_of(module, top_level_only):
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
             found |= {f"{node.module}.{a.name}" for a in node.names}  # from pkg import module
-    return {m for m in found if m in FILES} - {module}
+    return found
+
+
+def imports_of(module, top_level_only):
+    """The project modules `module` imports (at module level only, or anywhere)."""
+    return {m for m in imported_names(module, top_level_only) if m in FILES} - {module}
+
+
+def import_cycle(graph):
+    """The first import cycle of {module: modules it imports} as a path, or None."""
+    state = {}
+
+    def visit(m, path):
+        if state.get(m) == "done":
+            return None
+        if state.get(m) == "open":
+            return path[path.index(m) :] + [m]
+        state[m] = "open"
+        for n in sorted(graph[m]):
+            cycle = visit(n, path + [m])
+            if cycle:
+                return cycle
+        state[m] = "done"
+        return None
+
+    return next(filter(None, (visit(m, []) for m in sorted(graph))), None)
 
 
 def test_module_level_imports_run_one_way_and_extras_are_entered_lazily():
@@ -44,19 +70,21 @@ def test_module_level_imports_run_one_way_and_extras_are_entered_lazily():
     assert graph["train"] == {"envs", "tigpo"}
     lazy = imports_of("train", top_level_only=False) - graph["train"]
     assert lazy and all(m.startswith("extras.") for m in lazy), lazy
-    state = {}
+    cycle = import_cycle(graph)
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
 
-    def visit(m, path):
-        if state.get(m) == "done":
-            return
-        assert state.get(m) != "open", f"import cycle: {' -> '.join(path + [m])}"
-        state[m] = "open"
-        for n in sorted(graph[m]):
-            visit(n, path + [m])
-        state[m] = "done"
 
-    for m in FILES:
-        visit(m, [])
+def test_imports_inside_functions_run_one_way_too_and_envs_never_imports_extras():
+    """A lazy import is still an edge a reader follows: envs.py importing extras/webshop.py inside
+    a function, while webshop imports envs at its top, is a cycle (issue 39, item 8)."""
+    graph = {m: imports_of(m, top_level_only=False) for m in FILES}
+    cycle = import_cycle(graph)
+    assert cycle is None, f"import cycle (imports in functions included): {' -> '.join(cycle)}"
+    tops = {m: {n.split(".")[0] for n in imported_names(m, False)} - {m} for m in ("tigpo", "envs")}
+    assert "extras" not in tops["envs"], imported_names("envs", False)
+    assert tops["tigpo"] <= sys.stdlib_module_names, tops["tigpo"] - sys.stdlib_module_names
+    engines = {"alfworld", "textworld", "fast_downward", "requests"}  # textworld's planner too
+    assert tops["envs"] <= sys.stdlib_module_names | engines, tops["envs"]
 
 
 LOADED = """

@@ -288,7 +288,12 @@ def test_env_pool_runs_webshop_in_workers(server):
     if not hasattr(envs, "EnvPool"):
         pytest.skip("envs.py has no EnvPool yet")
     pool = envs.EnvPool(
-        "webshop", num_workers=2, url=server.url, split="train", num_goals=520, max_steps=15
+        webshop.WebShopEnv,
+        num_workers=2,
+        url=server.url,
+        split="train",
+        num_goals=520,
+        max_steps=15,
     )
     try:
         obs, infos = pool.reset([GOAL, GOAL, "webshop/501"])
