@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "gpu_check.py")
 _spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
@@ -27,6 +29,7 @@ runpy.run_path(sys.argv[0], run_name='__main__')
 """
 
 
+@pytest.mark.slow  # gpu_check.py in a subprocess, two tiny models: ~10 s
 def test_dry_run_prints_a_row_per_update_of_each_model_and_passes():
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     out = subprocess.run(

@@ -208,6 +208,7 @@ def fake_run(
         fh.write('{"update": 99, "success_ra')  # a run still writing
 
 
+@pytest.mark.slow  # a subprocess that starts matplotlib: seconds
 def test_plot_writes_a_png_and_an_svg_for_several_runs_and_a_one_line_run(tmp_path):
     runs = [str(tmp_path / name) for name in ("a", "b", "c")]
     fake_run(runs[0], "tigpo", 0, 4)
@@ -221,6 +222,7 @@ def test_plot_writes_a_png_and_an_svg_for_several_runs_and_a_one_line_run(tmp_pa
     assert not (tmp_path / "a" / "plots.png").exists() and not (tmp_path / "plots.png").exists()
 
 
+@pytest.mark.slow  # a subprocess that starts matplotlib: seconds
 def test_plot_writes_next_to_the_run_by_default_not_into_the_current_folder(tmp_path):
     runs = tmp_path / "runs"
     fake_run(str(runs / "alfworld-tigpo-seed0"), "tigpo", 0, 3, kl=False)
