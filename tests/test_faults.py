@@ -108,22 +108,23 @@ def test_every_sync_check_compares_the_engine_with_the_current_and_the_previous_
 def test_a_resumed_vllm_run_samples_what_the_uninterrupted_run_samples(
     tiny_vllm_model, alfworld_data, tmp_path
 ):
-    """fp32 engine: 3 updates straight vs 2 updates and --resume to 3; every sample of update 3
-    (its trajectories, the advantages it trained with) and the final weights are the same."""
+    """fp32 engine: 2 updates straight vs 1 update and --resume to 2 (a checkpoint and an update
+    after it); every sample of update 2 (its trajectories, the advantages it trained with) and the
+    final weights are the same."""
     common = vllm_flags(tiny_vllm_model, alfworld_data)
     common += ["--precision", "fp32", "--dump-advantages"]
     common += ["--save-every", "1", "--temperature", "1.0"]
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
-    run_train("--updates", "3", "--run-dir", straight, *common)
-    run_train("--updates", "2", "--run-dir", resumed, *common)
-    run_train("--resume", "--updates", "3", "--run-dir", resumed)
+    run_train("--updates", "2", "--run-dir", straight, *common)
+    run_train("--updates", "1", "--run-dir", resumed, *common)
+    run_train("--resume", "--updates", "2", "--run-dir", resumed)
     a, b = (read_jsonl(os.path.join(d, "advantages.jsonl")) for d in (straight, resumed))
-    assert [r["update"] for r in b] == [1, 2, 3]
-    assert a[2]["groups"] == b[2]["groups"]  # the same episodes, state by state
-    assert a[2]["loss_advantages"] == b[2]["loss_advantages"]
+    assert [r["update"] for r in b] == [1, 2]
+    assert a[1]["groups"] == b[1]["groups"]  # the same episodes, state by state
+    assert a[1]["loss_advantages"] == b[1]["loss_advantages"]
     from safetensors.torch import load_file
 
-    ckpt = os.path.join("checkpoints", "update_000003", "model.safetensors")
+    ckpt = os.path.join("checkpoints", "update_000002", "model.safetensors")
     wa, wb = (load_file(os.path.join(d, ckpt)) for d in (straight, resumed))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
