@@ -20,13 +20,20 @@ pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+HELPER = os.path.join(ROOT, "tests", "dist_grad.py")
+
+
+@pytest.fixture(scope="module")
+def one_process_steps(tmp_path_factory):
+    """dist_grad.py's steps in one process holding every sample: the reference of both modes."""
+    single = str(tmp_path_factory.mktemp("one-process") / "one.pt")
+    subprocess.run([sys.executable, HELPER, single], check=True, env=ENV, timeout=300, cwd=ROOT)
+    return single
 
 
 @pytest.mark.parametrize("mode", ["replicas", "fsdp"])
-def test_two_ranks_take_the_same_optimizer_steps_as_one_process(tmp_path, mode):
-    helper = os.path.join(ROOT, "tests", "dist_grad.py")
-    single, double = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")
-    subprocess.run([sys.executable, helper, single], check=True, env=ENV, timeout=300, cwd=ROOT)
+def test_two_ranks_take_the_same_optimizer_steps_as_one_process(one_process_steps, tmp_path, mode):
+    helper, single, double = HELPER, one_process_steps, str(tmp_path / "two.pt")
     out = subprocess.run(
         TORCHRUN + [helper, double] + (["--fsdp"] if mode == "fsdp" else []),
         env=ENV,
