@@ -138,13 +138,3 @@ def smollm():
     model, tok, _ = train.load_model(train.DEFAULT_MODEL)
     return model, tok
 
-
-@pytest.fixture(scope="session")
-def smollm_folder(smollm, tmp_path_factory):
-    """`smollm` saved as a plain model folder: a train.py subprocess given it as --model loads the
-    same weights and tokenizer in about a second instead of reading the GGUF file again."""
-    model, tok = smollm
-    out = tmp_path_factory.mktemp("smollm2")
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return str(out)
