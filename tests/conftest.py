@@ -137,4 +137,3 @@ def smollm():
 
     model, tok, _ = train.load_model(train.DEFAULT_MODEL)
     return model, tok
-
