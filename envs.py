@@ -10,7 +10,7 @@
 
 Imports run one way: extras/ imports this file, never the reverse. Which env a run plays, and
 whether ALFWorld games must be generated first (extras/alfworld_gen.py), is chosen by the caller:
-train.py's make_pool and alfworld_kwargs.
+train.py's make_pool.
 """
 
 import functools
@@ -117,6 +117,17 @@ def parse_action(reply):
         return None
     action = " ".join(found[-1].split())
     return action or None
+
+
+def trim_reply(ids, tok, end_ids):
+    """The sampled tokens of one generated row (every sampler's convention). A finished row is
+    filled with pad (= eos for many models). It ends at its first end token (eos or pad), which
+    was sampled unless the row had already stopped at ACTION_END (then it is padding and must not
+    be trained on)."""
+    end = next((i for i, t in enumerate(ids) if t in end_ids), len(ids))
+    if end == len(ids) or ACTION_END in tok.decode(ids[:end]):
+        return ids[:end]
+    return ids[: end + 1]
 
 
 def import_alfworld():

@@ -176,7 +176,10 @@ def main(argv=None):
             "temperature "
             f"{a.eval_temperature}, response format {args.response_format}"
         )
-        sample = train.make_sampler(args, model, tok)
+        fast = None
+        if device.type == "cpu":  # on a CPU, sampling as train.py samples there
+            from extras import cpu_sampling as fast
+        sample = train.make_sampler(args, model, tok, fast=fast)
         prompt = train.prompt_builder(args, tok, model)
         per_seed = [train.evaluate(args, sample, prompt, seed) for seed in range(a.eval_seeds)]
     except UsageError as e:

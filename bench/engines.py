@@ -38,12 +38,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import envs  # noqa: E402
 import train  # noqa: E402
+from extras import cpu_sampling  # noqa: E402
 
 
 def preset_prompts(args, tok, model, n):
     """n step prompts of the CPU preset: the first step of each training game, the games
     repeated."""
-    env = envs.make_env("alfworld", **train.alfworld_kwargs(args, "train"))
+    pool, _ = train.make_pool(args, "train")
+    pool.close()
+    env = envs.AlfWorldEnv(**pool.kwargs)
     prompt = train.prompt_builder(args, tok, model)
     out = []
     for i in range(n):
@@ -125,7 +128,10 @@ def main():
         "threads; "
         f"bf16 instructions on this CPU: {train.bf16_is_fast(False)}"
     )
+    # "hf" samples as train.py does on a CPU, through extras/cpu_sampling.py; "hf-plain" is
+    # train.generate itself (model.generate), what a GPU runs
     engines = [("hf", "fp32", model), ("hf", "bf16", model), ("hf", "bf16 stored", stored)]
+    engines += [("hf-plain", "bf16 stored", stored)]
     from extras import vllm_engine
 
     if vllm_engine.available():
@@ -144,12 +150,13 @@ def main():
                 "--precision",
                 precision,
                 "--rollout-engine",
-                engine,
+                "hf" if engine == "hf-plain" else engine,
             ],
             cuda=False,
         )
         sampler = vllm_engine.start(net, tok, precision, 0) if engine == "vllm" else None
-        sample = train.make_sampler(run_args, net, tok, sampler)
+        fast = cpu_sampling if engine == "hf" else None
+        sample = train.make_sampler(run_args, net, tok, sampler, fast)
         sample(prompts[:2], args.temperature)  # warm-up
         times = []
         for rep in range(a.reps):
@@ -223,9 +230,8 @@ def main():
             f"{'gap mean':>9}"
         )
         for engine, name, _ in engines:
-            if (
-                name == "bf16" and engine == "hf"
-            ):  # train.py stores the frozen layers in bf16 under bf16
+            # train.py stores the frozen layers in bf16 under bf16, and samples on a CPU fast
+            if (name == "bf16" and engine == "hf") or engine == "hf-plain":
                 continue
             precision = name.split()[0]
             wall, metrics = whole(engine, precision, 0)

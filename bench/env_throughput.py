@@ -101,8 +101,8 @@ def main():
         subprocess.run(
             [
                 sys.executable,
-                os.path.join(ROOT, "envs.py"),
-                "generate",
+                "-m",
+                "extras.alfworld_gen",
                 data_dir,
                 "--num-train",
                 "6",
@@ -113,6 +113,7 @@ def main():
             ],
             check=True,
             capture_output=True,
+            cwd=ROOT,
         )
         print(f"generated 6 games in {time.perf_counter() - t:.1f} s -> {data_dir}")
 
@@ -160,7 +161,7 @@ def main():
     slots = [records[j % len(records)] for j in range(args.slots)]
     tasks = [os.path.relpath(r["gamefile"], root).replace(os.sep, "/") for r in slots]
     pool = envs.EnvPool(
-        "alfworld", num_workers=args.workers, data_dir=data_dir, max_steps=10 * args.steps
+        envs.AlfWorldEnv, num_workers=args.workers, data_dir=data_dir, max_steps=10 * args.steps
     )
     t = time.perf_counter()
     pool.reset(tasks)

@@ -6,9 +6,9 @@ repository alone: no model hub, no package index, no ALFWorld. Memory plan: docs
 What it times: train.py's own functions in the order run() calls them. train.run_episodes with
 train.generate (HF generate, bf16 autocast over fp32 master weights, the think format, history
 H = 2); tigpo.RevisitScheduler and tigpo.compute_advantages (TIGPO with the paper's settings, read
-from train.Args); train.attach_advantages, train.minibatch_plan, train.update_policy (E12 with the
-k3 KL, several AdamW steps per update). Two models, built from their published configs with random
-weights, since no weights can be fetched:
+from train.Args); each sample's advantage attached as train.run does; train.minibatch_plan and
+train.update_policy (E12 with the k3 KL, several AdamW steps per update). Two models, built from
+their published configs with random weights, since no weights can be fetched:
   * Qwen2.5-1.5B-Instruct's dimensions, every weight trained, the KL reference an fp32 copy (the
     paper's setting);
   * Qwen2.5-7B-Instruct's with LoRA rank 64 on the seven linear layers of every block, the base
@@ -230,15 +230,11 @@ def record(out_path, seed=0):
         spec.submodule_search_locations[0], gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
     )
     max_steps, history_length, limit = 50, 2, 32768 - 512  # the paper preset; Qwen's context
-    env = envs.make_env(
-        "alfworld",
-        split="train",
-        max_steps=max_steps,
-        state_key="facts",
-        seed=0,
-        task_types="all",
-        num_train=24,
-        num_eval=6,
+    from extras import alfworld_gen
+
+    data_dir = envs.given_alfworld_data() or alfworld_gen.cached_games(0, 24, 6, "all")
+    env = envs.AlfWorldEnv(
+        split="train", data_dir=data_dir, max_steps=max_steps, state_key="facts", task_types="all"
     )
     rng = random.Random(seed)
     strings, lists, episodes = {}, {}, []  # value -> index: every string and list stored once
@@ -686,7 +682,9 @@ def check_model(name, a, by_task, device, peak_flops):
         # ---------------------------------------------------------------- advantage (E1-E9)
         t0 = time.time()
         advantages = tigpo.compute_advantages(groups, "tigpo", memory, **advantage_settings)
-        train.attach_advantages(samples, advantages, K)
+        for s in samples:  # each env step gets its [group][traj][step] advantage
+            g, j = divmod(s["traj"], K)
+            s["advantage"] = advantages[g][j][s["step"]]
         adv_s = time.time() - t0
         # ---------------------------------------------------------------- update (E12)
         t0 = time.time()
@@ -909,7 +907,12 @@ def memory_plan(
         "update": persistent + copies + activations + head + gathered,
         "optimizer step": persistent + 4 * trained / fsdp,
     }
+    # The frozen blocks' output that a CPU sampler keeps per sample for the update
+    # (extras/cpu_sampling.FrozenReuse): train.py keeps it on a CPU only, never on CUDA, where
+    # it would be samples x (prompt + response) x h x 4 B (docs/MEMORY.md). 0 on a GPU.
+    frozen_outputs = 0.0
     return {
+        "frozen outputs": frozen_outputs,
         "weights": weights,
         "gradients": grads,
         "AdamW moments": moments,

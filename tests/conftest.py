@@ -34,10 +34,10 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.fixture(scope="session")
 def alfworld_data(tmp_path_factory):
-    import envs
+    from extras import alfworld_gen
 
     out = tmp_path_factory.mktemp("alfworld")
-    envs.generate_games(str(out), num_train=6, num_eval=2, seed=0)  # 10 games, ~6-15 s
+    alfworld_gen.generate_games(str(out), num_train=6, num_eval=2, seed=0)  # 10 games, ~6-15 s
     return str(out)
 
 

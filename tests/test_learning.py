@@ -1,6 +1,6 @@
 """The regression test that proves the trainer learns: the real packaged SmolLM2-135M and the
-trainer's own loop functions (train.run_episodes -> tigpo.compute_advantages ->
-train.attach_advantages -> train.update_policy) on a one-step task whose right answer is known.
+trainer's own loop functions (train.run_episodes -> tigpo.compute_advantages -> each env step's
+advantage attached -> train.update_policy) on a one-step task whose right answer is known.
 Two admissible actions; one pays 10, the other 0. The rewarded action's frequency must rise from
 about chance (or below) to >= 0.9.
 
@@ -10,7 +10,7 @@ the vLLM extra is installed; else by HF generate), which gets the merged weights
 update, with the truncated importance weight on.
 
 Checked by hand (README, "The learning test"): with the advantage's sign flipped in update_policy,
-or with every sample given its neighbour's advantage in attach_advantages, the frequency does not
+or with every sample given its neighbour's advantage, the frequency does not
 rise and this test fails."""
 
 import copy
@@ -132,7 +132,9 @@ def test_the_rewarded_action_becomes_the_policy(fresh_smollm, engine, lora):
         )
         history.append(frequency(trajs))
         advantages = tigpo.compute_advantages([{"task": "door", "trajs": trajs}], "grpo")
-        train.attach_advantages(samples, advantages, K)
+        for s in samples:  # each env step gets its [group][traj][step] advantage
+            g, j = divmod(s["traj"], K)
+            s["advantage"] = advantages[g][j][s["step"]]
         plan = train.minibatch_plan(
             samples, 0, 4096, torch.Generator().manual_seed(update), skip_zero=True
         )

@@ -1,0 +1,53 @@
+"""A run re-runs from its config.json (`python train.py --config PATH --run-dir NEW`, flags given
+overriding it): config.json records what decides the arithmetic (the seed, torch's thread count,
+the precision, the versions), and the same config on the same machine gives the same
+metrics.jsonl apart from timings."""
+
+import json
+import os
+
+import pytest
+from test_train_e2e import TINY, read_jsonl, run_train
+
+import train
+
+pytestmark = pytest.mark.slow
+
+# metrics that measure seconds, not what the run computed
+TIMINGS = {"rollout_s", "adv_s", "update_s", "gen_tokens_per_s", "update_tokens_per_s"}
+
+
+def without_timings(metrics):
+    return [{k: v for k, v in m.items() if k not in TIMINGS} for m in metrics]
+
+
+def test_a_run_re_run_from_its_config_gives_the_same_metrics(tiny_model, alfworld_data, tmp_path):
+    first, again, other = (str(tmp_path / name) for name in ("first", "again", "other"))
+    flags = [*TINY, "--model", tiny_model, "--data-dir", alfworld_data, "--updates", "2"]
+    run_train("--env", "alfworld", "--algo", "tigpo", "--seed", "3", *flags, "--run-dir", first)
+    with open(os.path.join(first, "config.json")) as fh:
+        config = json.load(fh)
+    assert config["threads"] == 1  # OMP_NUM_THREADS=1 in the test's subprocess: resolved, kept
+    assert config["seed"] == 3 and config["precision"] in ("fp32", "bf16")
+    assert set(config["versions"]) == {"python", "torch", "transformers", "device"}
+    run_train("--config", os.path.join(first, "config.json"), "--run-dir", again)
+    want = read_jsonl(os.path.join(first, "metrics.jsonl"))
+    got = read_jsonl(os.path.join(again, "metrics.jsonl"))
+    assert len(want) == 2 and without_timings(got) == without_timings(want)
+    assert any(m["update_s"] != n["update_s"] for m, n in zip(got, want))  # timings do differ
+    # a flag given after --config overrides the saved value; the rest stand as saved
+    args, resuming = train.parse_args(
+        ["--config", os.path.join(first, "config.json"), "--seed", "4", "--run-dir", other]
+    )
+    kept = {k: v for k, v in vars(args).items() if k not in ("seed", "run_dir", "config")}
+    assert args.seed == 4 and not resuming and all(config[k] == v for k, v in kept.items())
+
+
+def test_config_errors_are_one_line(tmp_path):
+    missing = run_train("--config", str(tmp_path / "nope.json"), check=False)
+    assert missing.returncode == 2 and "no such file" in missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1
+    torn = tmp_path / "torn.json"
+    torn.write_text('{"seed": ')
+    broken = run_train("--config", str(torn), "--run-dir", str(tmp_path / "r"), check=False)
+    assert broken.returncode == 2 and "not a whole config.json" in broken.stderr
