@@ -827,6 +827,13 @@ class TemperatureLogprobs:
             self.picked.append(self.last.gather(1, input_ids[:, -1:]))
         scores = scores.float() / self.temperature
         self.last = scores.log_softmax(-1)
+        bad = ~torch.isfinite(self.last.max(-1).values)  # NaN, +inf, or a row of -inf
+        if bad.any():
+            raise FloatingPointError(
+                f"the sampler's logits are NaN, +inf or all -inf in {int(bad.sum())} of "
+                f"{len(bad)} rows at decoding step {len(self.picked) + 1}: the model's weights "
+                f"or activations are not finite"
+            )
         return scores
 
 
@@ -2021,7 +2028,7 @@ def main(argv=None):
     except UsageError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         sys.exit(2)
-    except SamplerError as e:
+    except (SamplerError, FloatingPointError) as e:
         print(f"train.py: stopped: {e}", file=sys.stderr)
         sys.exit(1)
 

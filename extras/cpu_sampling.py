@@ -148,6 +148,13 @@ class SampledLogprobs(LogitsProcessor):
             self.picked.append(self.last.gather(1, input_ids[:, -1:]))
         self.last = (scores.float() / self.temperature).log_softmax(-1)
         cdf = self.last.double().exp().cumsum(-1)  # fp64: each token's share exact to ~1e-16
+        bad = ~torch.isfinite(cdf[:, -1])  # a NaN or +inf logit, or a row of -inf, ends here
+        if bad.any():
+            raise FloatingPointError(
+                f"the sampler's logits are NaN, +inf or all -inf in {int(bad.sum())} of "
+                f"{len(bad)} rows at decoding step {len(self.picked) + 1}: the model's weights "
+                f"or activations are not finite"
+            )
         u = torch.rand((len(cdf), 1), dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
         token = torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[1] - 1)
         return torch.full_like(self.last, float("-inf")).scatter_(1, token, 0.0)

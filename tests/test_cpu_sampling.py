@@ -304,3 +304,19 @@ def test_both_samplers_draw_from_one_distribution_and_record_the_trainers_logpro
             trainer = train.response_logprobs(model, batch, temperature)
         gap = ((trainer - batch["sampler_logp"]).abs() * batch["sampled_mask"]).max().item()
         assert gap < 1e-4, (sampler.__module__, gap)
+
+
+@pytest.mark.parametrize("processor", [cpu_sampling.SampledLogprobs, train.TemperatureLogprobs])
+def test_non_finite_logits_stop_the_sampler_saying_what(processor):
+    """A NaN or +inf logit, or a row of -inf, stops both samplers at once, saying which rows and
+    which step (torch.multinomial raised on them; the inverse-CDF draw returned a token)."""
+    good = torch.tensor([[0.0, 1.0, float("-inf")], [2.0, 0.0, 1.0]])
+    for bad in (float("nan"), float("inf")):
+        sampler = processor(0.7)
+        sampler(torch.zeros((2, 1), dtype=torch.long), good)  # a -inf entry alone is fine
+        logits = good.clone()
+        logits[1, 0] = bad
+        with pytest.raises(FloatingPointError, match="in 1 of 2 rows at decoding step 2"):
+            sampler(torch.zeros((2, 1), dtype=torch.long), logits)
+    with pytest.raises(FloatingPointError, match="not finite"):
+        processor(0.7)(torch.zeros((1, 1), dtype=torch.long), torch.full((1, 3), float("-inf")))
