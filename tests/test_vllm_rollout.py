@@ -3,7 +3,7 @@ the trainer's fp32 model, weight sync (linear layer, final norm, tied embedding)
 verification. One fp32 and one bf16 engine for the whole module (each takes several seconds to
 start).
 
-    python -m pytest -q tests/test_vllm_engine.py      # with the vLLM extra installed
+    python -m pytest -q tests/test_vllm_rollout.py      # with the vLLM extra installed
 """
 
 import copy
@@ -14,6 +14,7 @@ import torch
 
 from extras import vllm_engine
 
+pytestmark = pytest.mark.slow  # the packaged model and two engines: a minute or more
 if not vllm_engine.available():
     pytest.skip(
         "vLLM is not installed (pip install --no-deps -r extras/requirements-vllm.txt)",
@@ -41,8 +42,9 @@ TASKS = [
 
 
 @pytest.fixture(scope="module")
-def hf():
-    model, tok, _ = train.load_model(train.DEFAULT_MODEL)
+def hf(smollm):
+    """The packaged model, read once a session (conftest); no test here changes its weights."""
+    model, tok = smollm
     return model.eval(), tok
 
 
@@ -253,14 +255,12 @@ def test_broken_sync_raises(sampler, scratch, monkeypatch, perturb, names, group
     print(f"\n{sampler.dtype}: {err.value}")
 
 
-def test_an_engine_one_update_behind_is_caught_before_it_samples(sampler, hf, scratch):
-    """The CPU preset's update (the top 8 of 30 blocks, AdamW at lr 5e-5): the engine holds the
-    trainer's weights, the trainer takes one optimizer step, and nobody syncs. The next generate
-    call sees the trainer moved, checks the engine and stops, naming the stale layers; after a
-    sync it samples again. Prints what the check measured."""
-    _, tok = hf
-    trainer = scratch(lambda m: None)  # a copy of the trainer's model
-    sampler.sync(trainer)
+@pytest.fixture(scope="module")
+def one_step(hf):
+    """The CPU preset's update (the top 8 of 30 blocks, AdamW at lr 5e-5) on a step prompt: the
+    trainer's weights after one optimizer step, computed once for both engines."""
+    model, tok = hf
+    trainer = copy.deepcopy(model)
     train.train_top_layers(trainer, 8)
     params = [p for p in trainer.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=5e-5, weight_decay=0.01)
@@ -269,6 +269,20 @@ def test_an_engine_one_update_behind_is_caught_before_it_samples(sampler, hf, sc
     (-logp.gather(1, ids[0, 1:, None]).mean()).backward()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     optimizer.step()
+    return {n: p.detach() for n, p in trainer.named_parameters()}
+
+
+def test_an_engine_one_update_behind_is_caught_before_it_samples(sampler, hf, scratch, one_step):
+    """The engine holds the trainer's weights, the trainer takes one_step, and nobody syncs. The
+    next generate call sees the trainer moved, checks the engine and stops, naming the stale
+    layers; after a sync it samples again. Prints what the check measured."""
+    _, tok = hf
+    trainer = scratch(lambda m: None)  # a copy of the trainer's model
+    sampler.sync(trainer)
+    train.train_top_layers(trainer, 8)
+    with torch.no_grad():  # the optimizer step
+        for name, p in trainer.named_parameters():
+            p.copy_(one_step[name])
     prompts = step_prompts(tok, 2)
     try:
         with pytest.raises(RuntimeError, match="stale weights") as err:
