@@ -288,7 +288,9 @@ def head_cast_once(model, precision):
     not at every decoding step. The head stays fp32 (store_frozen_in_bf16), and autocast caches
     only weights that require grad: casting SmolLM2's 49,152 x 576 head took ~20 ms of each
     decoding step on 2 cores. The same bf16 weight, so the same logits, bit for bit. Not on a
-    sharded model: its weights are whole only inside its forward."""
+    sharded model: its weights are whole only inside its forward. (The trainer's head is fp32:
+    this bf16 one is about half of the sampler-trainer gap under bf16, 0.02 nats per token;
+    an fp32 head halves it for ~7-24 % more per sampling call: docs/RESULTS.md.)"""
     head = model.get_output_embeddings()
     weight = getattr(head, "weight", None)
     plain = isinstance(head, torch.nn.Linear) and weight.dtype == torch.float32
