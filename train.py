@@ -361,15 +361,20 @@ def saved_settings(path):
     Warns when the versions it recorded differ from this machine's (the arithmetic may too)."""
     if not os.path.isfile(path):
         raise UsageError(f"--config {path}: no such file (a run folder's config.json)")
-    with open(path) as fh:
-        try:
-            saved = json.load(fh)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"--config {path} is not a whole config.json ({e})") from e
+    saved = read_config(path, "--config")
     if saved.get("versions", versions()) != versions():
         say(f"--config {path}: recorded with {saved['versions']}, running on {versions()}")
     known = {f.name for f in dataclasses.fields(Args)} - {"run_dir", "resume", "config"}
     return {k: v for k, v in saved.items() if k in known}
+
+
+def read_config(path, flag):
+    """A run's config.json, or one line naming `flag` when it is torn (a kill while written)."""
+    with open(path) as fh:
+        try:
+            return json.load(fh)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{flag}: {path} is not a whole config.json ({e}); start anew") from e
 
 
 def versions():
@@ -394,11 +399,7 @@ def resumed_args(given, run_dir):
     path = os.path.join(run_dir, "config.json")
     if not os.path.exists(path):
         raise UsageError(f"--resume: {run_dir} holds no run (no config.json); drop --resume")
-    with open(path) as fh:
-        try:
-            saved = json.load(fh)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"--resume: {path} is not a whole config ({e}); start anew") from e
+    saved = read_config(path, "--resume")
     for name, value in given.items():
         if name not in RESUMABLE and name != "run_dir" and saved.get(name) != value:
             flag = "--" + name.replace("_", "-")

@@ -77,7 +77,7 @@ def main():
     p.add_argument("--prompts", type=int, default=16, help="prompts per sampling call")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per variant")
     a = p.parse_args()
-    args, _ = train.parse_args(["--env", "alfworld", "--run-dir", "/tmp/unused"], cuda=False)
+    args, _ = train.parse_args(["--env", "alfworld", "--run-dir", "/nonexistent/bench"], cuda=False)
     if args.precision != "bf16":
         sys.exit("this CPU has no bf16 instructions: the preset runs fp32, nothing to compare")
     model, tok, _ = train.load_policy(args.model, torch.device("cpu"), args.max_new_tokens)
