@@ -2132,8 +2132,9 @@ def run(args, resuming):
         fast = None
         if device.type == "cpu" and engine is None:
             # On a CPU, sampling goes through extras/cpu_sampling.py: the same distribution as
-            # generate, ~0.4x its time per env step (an in-place KV cache, grouped-query
-            # attention, each prompt once). Its rollouts also keep the frozen blocks' output
+            # generate without its copies (an in-place KV cache, grouped-query attention, each
+            # prompt once; the demo's rollout took 0.38x the time per env step once its pieces
+            # were in, docs/RESULTS.md). Its rollouts also keep the frozen blocks' output
             # (--trainable-layers), which the update then starts from (FrozenReuse below).
             from extras import cpu_sampling as fast
         sample = make_sampler(args, model, tok, engine, fast)

@@ -4,8 +4,9 @@ train.py samples with its own `generate`: left-pad, `model.generate`, trim. On a
 path spends most of a decoding step copying: transformers' "sdpa" attention repeats every key/value
 head for its query heads, its cache concatenates itself at every step, the bf16 output layer is
 cast again at every step, and `torch.multinomial` draws a number per vocabulary entry. This module
-is the same sampling without those costs (~0.38x the time per env step of the demo,
-docs/RESULTS.md, issue 29), entered from train.py by one call where the samplers are made (on a
+is the same sampling without those costs (with its pieces in, the demo's rollout took 0.38x the
+time per env step it had taken before issue 29, docs/RESULTS.md; `python bench/engines.py` times
+it beside train.generate), entered from train.py by one call where the samplers are made (on a
 CPU with the HF engine) and one where the update is prepared (FrozenReuse). A reader of the
 method can skip it; tests/test_cpu_sampling.py holds it to train.generate's distribution and
 log-probs.
