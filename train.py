@@ -3,8 +3,8 @@
 One file, in the order a run happens: arguments and presets; setup (model, envs, optimizer,
 reference model, resume); rollout; advantages (tigpo.py, E1-E11); the clipped update (E12);
 warm start; evaluation; logging; checkpoints; the loop. The equations: docs/ALGORITHM.md.
-What a one-GPU reader does not need (the vLLM engine, torchrun and FSDP, the offline model) lives
-in extras/ and is imported only when a flag asks for it.
+What a one-GPU reader does not need (the CPU sampling fast path, the vLLM engine, torchrun and
+FSDP, the offline model) lives in extras/ and is imported only when the machine or a flag asks.
 
     python train.py --env alfworld                   # CPU demo (--preset auto picks cpu)
     python train.py --env alfworld --preset paper    # the paper's setting on one GPU
