@@ -2,6 +2,10 @@
 from the runs bench/demo_seeds.sh wrote (their metrics.jsonl and /usr/bin/time -v reports).
 
     python bench/demo_results.py runs/demo     # markdown tables; writes bench/demo_results.png
+    python bench/demo_results.py results/every-seed   # bench/seeds.py's results folder
+
+The wall column is /usr/bin/time's where the run folder has its report (time-ALGO-seedN.txt), and
+the run's own rollout + update seconds (metrics.jsonl) otherwise.
 
 Per run: eval success on the training games before RL -> after (with the episode counts and 95 %
 Wilson intervals the run logged), training success in the first and the last quarter of its updates,
@@ -98,10 +102,19 @@ def main():
     parser.add_argument("folder")
     parser.add_argument("--out", default=os.path.join(HERE, "demo_results.png"))
     a = parser.parse_args()
-    runs = {}
-    for path in sorted(glob.glob(os.path.join(a.folder, "alfworld-*-seed*", "metrics.jsonl"))):
-        algo, seed = re.search(r"alfworld-(\w+)-seed(\d+)", path).groups()
+    runs, walls = {}, {}
+    # bench/demo_seeds.sh's run folders (alfworld-ALGO-seedN) or bench/seeds.py's results
+    # folder (ALGO/seedN, config.json and metrics.jsonl only)
+    paths = glob.glob(os.path.join(a.folder, "alfworld-*-seed*", "metrics.jsonl"))
+    paths += glob.glob(os.path.join(a.folder, "*", "seed*", "metrics.jsonl"))
+    for path in sorted(paths):
+        name = os.path.relpath(path, a.folder)
+        algo, seed = re.match(r"(?:alfworld-)?([\w-]+?)[-/]seed(\d+)", name).groups()
         rows = read(path)
+        wall, _ = timing(os.path.join(a.folder, f"time-{algo}-seed{seed}.txt"))
+        if wall is None:  # no /usr/bin/time report: the run's own rollout + update seconds
+            wall = sum(m.get("rollout_s", 0) + m.get("update_s", 0) for m in rows) or None
+        walls[algo, int(seed)] = wall
         if not any(m["update"] > 0 and "eval/train/success_rate" in m for m in rows):
             print(f"skipped {path}: not finished (no evaluation after training yet)")
             continue
@@ -119,7 +132,7 @@ def main():
         )
         print("|---|---|---|---|---|---|---|---|")
         for seed, s in sorted(seeds.items()):
-            wall, _ = timing(os.path.join(a.folder, f"time-{algo}-seed{seed}.txt"))
+            wall = walls[algo, seed]
             print(
                 f"| {seed} | {interval(s['before'], s['before_n'])} (n={s['before_n']}) | "
                 f"{interval(s['after'], s['after_n'])} (n={s['after_n']}) | "

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 HELPER = os.path.join(ROOT, "tests", "dist_grad.py")
+TEARDOWN_ABORT = "terminate called without an active exception"
 
 
 @pytest.fixture(scope="module")
@@ -34,14 +36,15 @@ def one_process_steps(tmp_path_factory):
 @pytest.mark.parametrize("mode", ["replicas", "fsdp"])
 def test_two_ranks_take_the_same_optimizer_steps_as_one_process(one_process_steps, tmp_path, mode):
     helper, single, double = HELPER, one_process_steps, str(tmp_path / "two.pt")
-    out = subprocess.run(
-        TORCHRUN + [helper, double] + (["--fsdp"] if mode == "fsdp" else []),
-        env=ENV,
-        timeout=300,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    command = TORCHRUN + [helper, double] + (["--fsdp"] if mode == "fsdp" else [])
+    run = dict(env=ENV, timeout=300, cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run(command, **run)
+    if out.returncode != 0 and TEARDOWN_ABORT in out.stderr:
+        # Seen once in CI (the replicas job; 8 of 8 reruns of it passed here): a rank aborted at
+        # exit by a C++ thread left joinable, after destroy_process_group. The job runs again
+        # once, visibly; any other failure, a second abort or a wrong step still fails the test.
+        warnings.warn(f"torchrun {mode}: a rank aborted at teardown; ran it again", stacklevel=1)
+        out = subprocess.run(command, **run)
     assert out.returncode == 0, out.stderr[-3000:]
     a, b = torch.load(single), torch.load(double)
     assert a["stats"]["optimizer_steps"] == b["stats"]["optimizer_steps"] == 3
