@@ -13,6 +13,12 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# pyproject.toml runs the suite on two pytest-xdist workers (`-n 2`, whole files per worker).
+# Each worker and every train.py it starts uses one torch thread (train.py's --threads default
+# reads OMP_NUM_THREADS): two workers of all-core threads would oversubscribe the cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+
 
 # `python -m pytest -q -m "not slow"` is the contributor's loop (under 2 minutes): a test whose
 # call takes longer than this without the slow mark says so in the warnings summary.

@@ -8,11 +8,14 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow  # a subprocess that imports torch and transformers
 def test_the_readme_update_example_runs_as_printed():
     with open(os.path.join(ROOT, "README.md")) as fh:
         text = fh.read()
