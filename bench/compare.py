@@ -120,15 +120,54 @@ def read_results(folder):
 
 def config_differences(runs):
     """The config.json keys, beyond the method's and the seed's, whose values differ between
-    cells: '' when every cell ran one setting."""
+    cells: '' when every cell ran one setting. The machine (versions.device) is left to
+    seed_starts: the matrix may span machines, one seed's cells may not."""
     values = {}
     for seeds in runs.values():
         for cell in seeds.values():
             for key, value in cell["config"].items():
+                if key == "versions" and isinstance(value, dict):
+                    value = {k: v for k, v in value.items() if k != "device"}
                 if key not in PER_CELL:
                     values.setdefault(key, set()).add(json.dumps(value, sort_keys=True))
     differ = sorted(k for k, v in values.items() if len(v) > 1)
     return ", ".join(f"{k} ({' / '.join(sorted(values[k]))})" for k in differ)
+
+
+def device(cell):
+    return (cell["config"].get("versions") or {}).get("device", "unknown")
+
+
+def seed_starts(runs):
+    """Note lines on where each seed ran. The warm start does not depend on the method, so one
+    seed's cells on one machine kind all start from the same eval before RL; other machine kinds
+    round bf16 otherwise and start the same seed elsewhere. A seed whose cells differ in either
+    pairs different starts, and is flagged."""
+    seeds = sorted({s for cells in runs.values() for s in cells})
+    where = {}
+    for seed in seeds:
+        cells = {m: runs[m][seed] for m in runs if seed in runs[m]}
+        where.setdefault(" / ".join(sorted({device(c) for c in cells.values()})), []).append(seed)
+    lines = []
+    if set(where) != {"unknown"}:
+        listed = "; ".join(
+            f"{name}: seed{'s' * (len(s) > 1)} {', '.join(map(str, s))}"
+            for name, s in where.items()
+        )
+        lines.append(f"Machines (config.json's versions.device): {listed}.")
+    for seed in seeds:
+        cells = {m: runs[m][seed] for m in runs if seed in runs[m]}
+        for what, key in (("machines", device), ("evals before RL", lambda c: num(c["before"]))):
+            groups = {}
+            for method, cell in cells.items():
+                groups.setdefault(key(cell), []).append(method)
+            if len(groups) > 1:
+                listed = "; ".join(f"{k}: {', '.join(m)}" for k, m in sorted(groups.items()))
+                lines.append(
+                    f"⚠ seed {seed}: its cells differ in {what} ({listed}): its paired "
+                    "differences compare different warm starts."
+                )
+    return lines
 
 
 # =================================================================================================
@@ -205,6 +244,7 @@ def table(runs, notes, reference):
     if reference not in runs:
         lines.append(f"No results for the reference {reference}: no paired differences.")
     lines += [f"Left out: {note}." for note in notes]
+    lines += seed_starts(runs)
     differ = config_differences(runs)
     if differ:
         lines.append(f"⚠ The cells' config.json differ beyond method and seed: {differ}.")

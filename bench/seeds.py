@@ -153,6 +153,40 @@ def plan(cell):
     return "restart", f"torn ({last}, no checkpoint): deleted and started again"
 
 
+def this_machine():
+    """The CPU's model name, as train.py records it in config.json's versions.device."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            names = [line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else None
+
+
+def other_machines(cells, queue, machine):
+    """One line per seed that still has cells to run here while some of its cells finished on
+    another machine kind: bf16 rounds differently there, so the seed's warm start differs and
+    its pairs would compare different starts (bench/compare.py flags such a seed)."""
+    todo = {cell["seed"] for cell, _ in queue}
+    elsewhere = {}
+    for cell in cells:
+        if cell["seed"] not in todo or not finished(cell["results"]):
+            continue
+        try:
+            with open(os.path.join(cell["results"], "config.json")) as fh:
+                device = json.load(fh).get("versions", {}).get("device")
+        except (OSError, ValueError):
+            continue
+        if device and machine and device != machine:
+            elsewhere.setdefault(cell["seed"], []).append(f"{cell['method']} on {device}")
+    return [
+        f"note: seed {seed} has cells finished on another machine ({', '.join(cells)}) and this "
+        f"one is {machine}: its cells run here start from another warm start; to keep a seed on "
+        "one machine kind, run its remaining cells there, or move its finished ones aside"
+        for seed, cells in elsewhere.items()
+    ]
+
+
 def command(args, cell, resume):
     """The train.py command of one cell; a resumed cell repeats every flag, so train.py checks
     that the matrix is still the one the run began with."""
@@ -365,6 +399,8 @@ def main(argv=None):
             queue.append((cell, kind))
     counts = {"done": len(cells) - len(queue), "failed": 0}
     say(f"{len(cells)} cells, {counts['done']} done already, {len(queue)} to run")
+    for line in other_machines(cells, queue, this_machine()):
+        say(line)
 
     signal.signal(signal.SIGTERM, raise_interrupt)
     running, interrupted = [], False

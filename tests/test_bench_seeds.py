@@ -3,6 +3,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -212,6 +213,22 @@ def test_stopped_matrix_skips_finished_resumes_torn_with_checkpoint_restarts_wit
     assert r.returncode == 0 and "4 cells, 4 done already, 0 to run" in r.stdout
 
 
+def test_a_seed_with_cells_finished_on_another_machine_is_named(tmp_path, fake):
+    flags = ("--methods", "grpo,gigpo", "--seeds", "1,2")
+    r = seeds_py(tmp_path, fake, "--methods", "grpo", "--seeds", "1,2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "note: seed" not in r.stdout  # the fake writes no versions: nothing to compare
+    config = tmp_path / "results" / "grpo" / "seed1" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "versions": {"device": "Z"}}))
+    shutil.rmtree(tmp_path / "runs" / "grpo-seed1")  # a new session: the committed copy alone
+    r = seeds_py(tmp_path, fake, *flags)
+    assert r.returncode == 0, r.stdout + r.stderr
+    notes = [line for line in r.stdout.splitlines() if line.startswith("note: seed")]
+    assert len(notes) == 1 and notes[0].startswith(
+        "note: seed 1 has cells finished on another machine (grpo on Z) and this one is "
+    )
+
+
 def intervals(tmp_path, cells):
     spans = []
     for cell in cells:
@@ -387,6 +404,37 @@ def test_compare_reports_cells_it_leaves_out_and_config_differences(tmp_path):
     assert '⚠ The cells\' config.json differ beyond method and seed: preset ("cpu" / "paper").' in (
         out
     )
+
+
+def test_compare_names_each_seeds_machine_and_flags_a_seed_with_two_starts(tmp_path):
+    write_results(tmp_path / "results", HAND)
+    for cell in (tmp_path / "results").glob("*/seed*"):
+        config = json.loads((cell / "config.json").read_text())
+        machine = "Xeon" if cell.name == "seed3" else "EPYC"
+        config["versions"] = {"torch": "2.13.0+cpu", "device": machine}
+        (cell / "config.json").write_text(json.dumps(config))
+    out = table(tmp_path / "results")
+    assert "Machines (config.json's versions.device): EPYC: seeds 1, 2; Xeon: seed 3." in out
+    assert "⚠ seed" not in out and "differ beyond method and seed" not in out
+    # grpo's seed 3 on another machine kind: another warm start, so another eval before RL
+    cell = tmp_path / "results" / "grpo" / "seed3"
+    config = json.loads((cell / "config.json").read_text())
+    config["versions"]["device"] = "EPYC"
+    (cell / "config.json").write_text(json.dumps(config))
+    rows = (cell / "metrics.jsonl").read_text().splitlines(keepends=True)
+    rows[0] = rows[0].replace('"eval/train/success_rate": 0.3', '"eval/train/success_rate": 0.1')
+    (cell / "metrics.jsonl").write_text("".join(rows))
+    out = table(tmp_path / "results")
+    assert "EPYC: seeds 1, 2; EPYC / Xeon: seed 3." in out
+    assert (
+        "⚠ seed 3: its cells differ in machines (EPYC: grpo; Xeon: tigpo): its paired "
+        "differences compare different warm starts." in out
+    )
+    assert "⚠ seed 3: its cells differ in evals before RL (0.10: grpo; 0.30: tigpo)" in out
+    # a version other than the machine is a difference of the preset's arithmetic, flagged
+    config["versions"]["torch"] = "2.14.1+cpu"
+    (cell / "config.json").write_text(json.dumps(config))
+    assert "differ beyond method and seed: versions (" in table(tmp_path / "results")
 
 
 def test_compare_check_readme(tmp_path):
