@@ -143,11 +143,20 @@ def seed_starts(runs):
     seed's cells on one machine kind all start from the same eval before RL; other machine kinds
     round bf16 otherwise and start the same seed elsewhere. A seed whose cells differ in either
     pairs different starts, and is flagged."""
-    seeds = sorted({s for cells in runs.values() for s in cells})
-    where = {}
-    for seed in seeds:
+    where, flags = {}, []
+    for seed in sorted({s for cells in runs.values() for s in cells}):
         cells = {m: runs[m][seed] for m in runs if seed in runs[m]}
         where.setdefault(" / ".join(sorted({device(c) for c in cells.values()})), []).append(seed)
+        for what, key in (("machines", device), ("evals before RL", lambda c: num(c["before"]))):
+            groups = {}
+            for method, cell in cells.items():
+                groups.setdefault(key(cell), []).append(method)
+            if len(groups) > 1:
+                listed = "; ".join(f"{k}: {', '.join(m)}" for k, m in sorted(groups.items()))
+                flags.append(
+                    f"⚠ seed {seed}: its cells differ in {what} ({listed}): its paired "
+                    "differences compare different warm starts."
+                )
     lines = []
     if set(where) != {"unknown"}:
         listed = "; ".join(
@@ -155,18 +164,7 @@ def seed_starts(runs):
             for name, s in where.items()
         )
         lines.append(f"Machines (config.json's versions.device): {listed}.")
-    for seed in seeds:
-        cells = {m: runs[m][seed] for m in runs if seed in runs[m]}
-        for what, key in (("machines", device), ("evals before RL", lambda c: num(c["before"]))):
-            groups = {}
-            for method, cell in cells.items():
-                groups.setdefault(key(cell), []).append(method)
-            if len(groups) > 1:
-                listed = "; ".join(f"{k}: {', '.join(m)}" for k, m in sorted(groups.items()))
-                lines.append(
-                    f"⚠ seed {seed}: its cells differ in {what} ({listed}): its paired "
-                    "differences compare different warm starts."
-                )
+    lines += flags
     return lines
 
 
