@@ -180,10 +180,10 @@ def other_machines(cells, queue, machine):
         if device and machine and device != machine:
             elsewhere.setdefault(cell["seed"], []).append(f"{cell['method']} on {device}")
     return [
-        f"note: seed {seed} has cells finished on another machine ({', '.join(cells)}) and this "
+        f"note: seed {seed} has cells finished on another machine ({', '.join(done)}) and this "
         f"one is {machine}: its cells run here start from another warm start; to keep a seed on "
         "one machine kind, run its remaining cells there, or move its finished ones aside"
-        for seed, cells in elsewhere.items()
+        for seed, done in elsewhere.items()
     ]
 
 
