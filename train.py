@@ -362,8 +362,9 @@ def saved_settings(path):
     if not os.path.isfile(path):
         raise UsageError(f"--config {path}: no such file (a run folder's config.json)")
     saved = read_config(path, "--config")
-    if saved.get("versions", versions()) != versions():
-        say(f"--config {path}: recorded with {saved['versions']}, running on {versions()}")
+    recorded, now = saved.get("versions", {}), versions()
+    if any(now.get(key) != value for key, value in recorded.items()):  # the keys it recorded
+        say(f"--config {path}: recorded with {recorded}, running on {now}")
     known = {f.name for f in dataclasses.fields(Args)} - {"run_dir", "resume", "config"}
     return {k: v for k, v in saved.items() if k in known}
 
@@ -377,22 +378,34 @@ def read_config(path, flag):
             raise UsageError(f"{flag}: {path} is not a whole config.json ({e}); start anew") from e
 
 
+# The CPU features that pick oneDNN's matmul kernels: two CPUs with one model name but different
+# ones (AMX or not) round bf16 otherwise, and the same seed plays other episodes.
+CPU_KERNEL_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
+
+
 def versions():
-    """What besides the arguments decides a run's arithmetic, recorded in config.json."""
+    """What besides the arguments decides a run's arithmetic, recorded in config.json: on a CPU,
+    its model name and which of CPU_KERNEL_FLAGS it has."""
     import transformers
 
-    cpu = platform.machine()
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as fh:
-            names = [line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu
-    return {
+    found = {
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "device": device,
     }
+    if torch.cuda.is_available():
+        return {**found, "device": torch.cuda.get_device_name()}
+    names, flags = [], set()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    names.append(value.strip())
+                elif key.strip() == "flags":
+                    flags.update(value.split())
+    cpu_flags = " ".join(f for f in CPU_KERNEL_FLAGS if f in flags) or "none"
+    return {**found, "device": names[0] if names else platform.machine(), "cpu_flags": cpu_flags}
 
 
 def resumed_args(given, run_dir):

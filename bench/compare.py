@@ -33,6 +33,8 @@ T975 += [2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452,
 # config.json keys that are meant to differ between cells; any other difference means the cells
 # did not run one preset, and the table says so
 PER_CELL = {"seed", "algo", "revisit_groups", "cross_temporal", "run_dir", "resume"}
+# config.json's versions keys that name the machine, left to seed_starts
+MACHINE = {"device", "cpu_flags"}
 LEVEL = 1e-9  # |difference| below this counts as level (gains are differences of fractions)
 
 
@@ -120,14 +122,14 @@ def read_results(folder):
 
 def config_differences(runs):
     """The config.json keys, beyond the method's and the seed's, whose values differ between
-    cells: '' when every cell ran one setting. The machine (versions.device) is left to
+    cells: '' when every cell ran one setting. The machine (versions' MACHINE keys) is left to
     seed_starts: the matrix may span machines, one seed's cells may not."""
     values = {}
     for seeds in runs.values():
         for cell in seeds.values():
             for key, value in cell["config"].items():
                 if key == "versions" and isinstance(value, dict):
-                    value = {k: v for k, v in value.items() if k != "device"}
+                    value = {k: v for k, v in value.items() if k not in MACHINE}
                 if key not in PER_CELL:
                     values.setdefault(key, set()).add(json.dumps(value, sort_keys=True))
     differ = sorted(k for k, v in values.items() if len(v) > 1)
@@ -135,7 +137,10 @@ def config_differences(runs):
 
 
 def device(cell):
-    return (cell["config"].get("versions") or {}).get("device", "unknown")
+    """The machine kind: the CPU's (or GPU's) name, and the CPU's kernel flags where recorded."""
+    recorded = cell["config"].get("versions") or {}
+    flags = recorded.get("cpu_flags")
+    return recorded.get("device", "unknown") + (f" ({flags})" if flags else "")
 
 
 def seed_starts(runs):
@@ -163,7 +168,13 @@ def seed_starts(runs):
             f"{name}: seed{'s' * (len(s) > 1)} {', '.join(map(str, s))}"
             for name, s in where.items()
         )
-        lines.append(f"Machines (config.json's versions.device): {listed}.")
+        flags_recorded = any(
+            "cpu_flags" in (cell["config"].get("versions") or {})
+            for seeds in runs.values()
+            for cell in seeds.values()
+        )
+        keys = "device" + (" (cpu_flags)" if flags_recorded else "")
+        lines.append(f"Machines (config.json's versions.{keys}): {listed}.")
     lines += flags
     return lines
 

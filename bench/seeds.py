@@ -153,36 +153,63 @@ def plan(cell):
     return "restart", f"torn ({last}, no checkpoint): deleted and started again"
 
 
+# train.py's CPU_KERNEL_FLAGS (this script stays stdlib-only: it does not import train.py)
+KERNEL_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
+
+
 def this_machine():
-    """The CPU's model name, as train.py records it in config.json's versions.device."""
+    """This CPU as train.py records it in config.json's versions: {"device": model name,
+    "cpu_flags": which of KERNEL_FLAGS it has}; None where /proc/cpuinfo says nothing."""
+    names, flags = [], set()
     try:
         with open("/proc/cpuinfo") as fh:
-            names = [line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")]
+            for line in fh:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    names.append(value.strip())
+                elif key.strip() == "flags":
+                    flags.update(value.split())
     except OSError:
-        names = []
-    return names[0] if names else None
+        pass
+    if not names:
+        return None
+    return {
+        "device": names[0],
+        "cpu_flags": " ".join(f for f in KERNEL_FLAGS if f in flags) or "none",
+    }
+
+
+def machine_name(recorded):
+    """A machine as a line names it: the model name, and its kernel flags where recorded."""
+    flags = recorded.get("cpu_flags")
+    return recorded["device"] + (f" ({flags})" if flags else "")
 
 
 def other_machines(cells, queue, machine):
     """One line per seed that still has cells to run here while some of its cells finished on
     another machine kind: bf16 rounds differently there, so the seed's warm start differs and
-    its pairs would compare different starts (bench/compare.py flags such a seed)."""
+    its pairs would compare different starts (bench/compare.py flags such a seed). A config.json
+    from before cpu_flags was recorded is compared by model name alone."""
     todo = {cell["seed"] for cell, _ in queue}
     elsewhere = {}
     for cell in cells:
-        if cell["seed"] not in todo or not finished(cell["results"]):
+        if machine is None or cell["seed"] not in todo or not finished(cell["results"]):
             continue
         try:
             with open(os.path.join(cell["results"], "config.json")) as fh:
-                device = json.load(fh).get("versions", {}).get("device")
+                recorded = json.load(fh).get("versions", {})
         except (OSError, ValueError):
             continue
-        if device and machine and device != machine:
-            elsewhere.setdefault(cell["seed"], []).append(f"{cell['method']} on {device}")
+        if recorded.get("device") and any(
+            recorded.get(key, value) != value for key, value in machine.items()
+        ):
+            where = machine_name(recorded)
+            elsewhere.setdefault(cell["seed"], []).append(f"{cell['method']} on {where}")
     return [
         f"note: seed {seed} has cells finished on another machine ({', '.join(done)}) and this "
-        f"one is {machine}: its cells run here start from another warm start; to keep a seed on "
-        "one machine kind, run its remaining cells there, or move its finished ones aside"
+        f"one is {machine_name(machine)}: its cells run here start from another warm start; to "
+        "keep a seed on one machine kind, run its remaining cells there, or move its finished "
+        "ones aside"
         for seed, done in elsewhere.items()
     ]
 

@@ -229,6 +229,48 @@ def test_a_seed_with_cells_finished_on_another_machine_is_named(tmp_path, fake):
     )
 
 
+def seeds_module():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import seeds
+
+    return seeds
+
+
+@pytest.mark.slow  # imports train.py (torch) to check both read the machine alike
+def test_the_machine_kind_is_the_model_name_and_the_kernel_flags_where_recorded(tmp_path, fake):
+    here = seeds_module().this_machine()
+    if here is None:
+        pytest.skip("no /proc/cpuinfo model name on this machine")
+    import train
+
+    assert here == {k: train.versions()[k] for k in ("device", "cpu_flags")}  # the same reading
+    r = seeds_py(tmp_path, fake, "--methods", "grpo", "--seeds", "1,2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    config = tmp_path / "results" / "grpo" / "seed1" / "config.json"
+    saved = json.loads(config.read_text())
+    shutil.rmtree(tmp_path / "runs" / "grpo-seed1")
+    flags = ("--methods", "grpo,gigpo", "--seeds", "1,2")
+    # this model name, no cpu_flags (a config.json from before they were recorded): same kind
+    config.write_text(json.dumps({**saved, "versions": {"device": here["device"]}}))
+    assert "note: seed" not in seeds_py(tmp_path, fake, *flags).stdout
+    # this model name with other kernel flags (AMX on one, not the other): another kind
+    other = {"device": here["device"], "cpu_flags": "avx2"}
+    if here["cpu_flags"] == "avx2":
+        other["cpu_flags"] = "amx_bf16 avx512_bf16 avx512f avx2"
+    config.write_text(json.dumps({**saved, "versions": other}))
+    for cell in ("gigpo-seed1", "gigpo-seed2"):
+        shutil.rmtree(tmp_path / "runs" / cell)
+    shutil.rmtree(tmp_path / "results" / "gigpo")
+    r = seeds_py(tmp_path, fake, *flags)
+    notes = [line for line in r.stdout.splitlines() if line.startswith("note: seed")]
+    assert notes == [
+        f"note: seed 1 has cells finished on another machine (grpo on {here['device']} "
+        f"({other['cpu_flags']})) and this one is {here['device']} ({here['cpu_flags']}): its "
+        "cells run here start from another warm start; to keep a seed on one machine kind, run "
+        "its remaining cells there, or move its finished ones aside"
+    ]
+
+
 def intervals(tmp_path, cells):
     spans = []
     for cell in cells:
@@ -435,6 +477,28 @@ def test_compare_names_each_seeds_machine_and_flags_a_seed_with_two_starts(tmp_p
     config["versions"]["torch"] = "2.14.1+cpu"
     (cell / "config.json").write_text(json.dumps(config))
     assert "differ beyond method and seed: versions (" in table(tmp_path / "results")
+
+
+def test_compare_tells_machine_kinds_apart_by_their_recorded_kernel_flags(tmp_path):
+    write_results(tmp_path / "results", HAND)
+    for cell in (tmp_path / "results").glob("*/seed*"):
+        config = json.loads((cell / "config.json").read_text())
+        flags = "amx_bf16 avx512_bf16" if cell.name == "seed3" else "avx512_bf16"
+        config["versions"] = {"torch": "2.13.0+cpu", "device": "Xeon", "cpu_flags": flags}
+        (cell / "config.json").write_text(json.dumps(config))
+    out = table(tmp_path / "results")
+    assert (
+        "Machines (config.json's versions.device (cpu_flags)): Xeon (avx512_bf16): seeds 1, 2; "
+        "Xeon (amx_bf16 avx512_bf16): seed 3." in out
+    )
+    assert "⚠ seed" not in out and "differ beyond method and seed" not in out
+    cell = tmp_path / "results" / "grpo" / "seed3"
+    config = json.loads((cell / "config.json").read_text())
+    config["versions"]["cpu_flags"] = "avx512_bf16"  # one model name, another kind
+    (cell / "config.json").write_text(json.dumps(config))
+    out = table(tmp_path / "results")
+    assert "⚠ seed 3: its cells differ in machines (Xeon (amx_bf16 avx512_bf16): tigpo; " in out
+    assert "differ beyond method and seed" not in out
 
 
 def test_compare_check_readme(tmp_path):

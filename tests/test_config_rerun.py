@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+import torch
 from test_train_e2e import TINY, read_jsonl, run_train
 
 import train
@@ -29,7 +30,8 @@ def test_a_run_re_run_from_its_config_gives_the_same_metrics(tiny_model, alfworl
         config = json.load(fh)
     assert config["threads"] == 1  # OMP_NUM_THREADS=1 in the test's subprocess: resolved, kept
     assert config["seed"] == 3 and config["precision"] in ("fp32", "bf16")
-    assert set(config["versions"]) == {"python", "torch", "transformers", "device"}
+    machine = {"device"} if torch.cuda.is_available() else {"device", "cpu_flags"}
+    assert set(config["versions"]) == {"python", "torch", "transformers", *machine}
     run_train("--config", os.path.join(first, "config.json"), "--run-dir", again)
     want = read_jsonl(os.path.join(first, "metrics.jsonl"))
     got = read_jsonl(os.path.join(again, "metrics.jsonl"))
@@ -51,3 +53,13 @@ def test_config_errors_are_one_line(tmp_path):
     torn.write_text('{"seed": ')
     broken = run_train("--config", str(torn), "--run-dir", str(tmp_path / "r"), check=False)
     assert broken.returncode == 2 and "not a whole config.json" in broken.stderr
+
+
+def test_config_warns_only_where_a_recorded_version_differs(tmp_path, capsys):
+    now = train.versions()
+    path = tmp_path / "config.json"
+    older = {k: v for k, v in now.items() if k != "cpu_flags"}  # before cpu_flags was recorded
+    for recorded, warned in ((now, False), (older, False), ({**now, "device": "Z"}, True)):
+        path.write_text(json.dumps({"seed": 5, "versions": recorded}))
+        assert train.saved_settings(str(path)) == {"seed": 5}
+        assert ("recorded with" in capsys.readouterr().out) is warned
