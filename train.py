@@ -123,6 +123,12 @@ class Args:
     temperature: float = arg(1.0, "sampling temperature of training rollouts (no top-p/top-k)")
     gen_batch_size: int = arg(64, "prompts per generate call (hf)")
     lr: float = arg(1e-6, "AdamW learning rate")
+    lr_ramp_updates: int = arg(
+        0,
+        "RL updates over which the learning rate rises linearly to --lr (update u of N: lr u/N); "
+        "AdamW's steps are full-size whatever the signal, so a ramp softens the first updates' "
+        "moves; 0 = --lr from the start",
+    )
     weight_decay: float = arg(0.01, "AdamW weight decay")
     kl_coef: float = arg(
         0.01, "beta: weight of the k3 KL to the frozen initial model (0 = no reference model)"
@@ -457,6 +463,7 @@ def check_args(args):
             "update k can be revisited at k + 1 at the earliest",
         ),
         (args.updates >= 1, "--updates must be >= 1"),
+        (args.lr_ramp_updates >= 0, "--lr-ramp-updates must be >= 0 (0 = no ramp)"),
         (args.max_steps >= 1, "--max-steps must be >= 1"),
         (args.max_new_tokens >= 1, "--max-new-tokens must be >= 1"),
         (args.history_length >= 0, "--history-length must be >= 0"),
@@ -2222,6 +2229,8 @@ def run(args, resuming):
 
             # ------------------------------------------------------------------------- update (E12)
             t0 = time.time()
+            for group in optimizer.param_groups:  # update u of a ramp of N: lr u/N, then lr
+                group["lr"] = args.lr * min(1.0, update / max(args.lr_ramp_updates, 1))
             order = torch.Generator().manual_seed(args.seed * 1000003 + update)  # same on all ranks
             plan_args = (args.minibatch_size, args.token_budget, order, ref_model is None)
             if ranks:  # the global minibatches, this rank's samples of each
@@ -2252,6 +2261,7 @@ def run(args, resuming):
             if ranks:
                 totals = ranks.sum_totals(totals)
             stats = update_metrics(totals, minibatches, ref_model is not None)
+            stats["lr"] = optimizer.param_groups[0]["lr"]
             check_sampler(stats, args)
             synced = engine.sync(model) if engine else {}  # the engine samples the new weights
             update_s = time.time() - t0

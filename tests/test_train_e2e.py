@@ -98,6 +98,7 @@ def runs(tiny_model, alfworld_data, tmp_path_factory):
             else []
         )
         extra += ["--minibatch-size", "5"] if algo in ("tigpo", "gigpo") else []
+        extra += ["--lr-ramp-updates", "2"] if algo == "tigpo" else []  # resumed below
         out[algo] = str(base / algo)
         procs[algo] = subprocess.Popen(
             [
@@ -241,6 +242,8 @@ def test_resume_matches_the_uninterrupted_run(runs, tiny_model, alfworld_data, t
         *TINY,
         "--minibatch-size",
         "5",
+        "--lr-ramp-updates",
+        "2",
     ]  # the flags of run A, less its eval
     run_train("--updates", "1", *common)
     proc = run_train("--resume", "--updates", "2", "--run-dir", run_dir, "--dump-advantages")
@@ -271,6 +274,8 @@ def test_resume_matches_the_uninterrupted_run(runs, tiny_model, alfworld_data, t
         "loss",
     ):
         assert ma[1][key] == mb[1][key], key
+    lr = float(TINY[TINY.index("--lr") + 1])  # a ramp of 2: half of it in update 1, then all
+    assert [m["lr"] for m in ma] == [m["lr"] for m in mb] == [lr / 2, lr]
 
 
 def test_resume_drops_the_log_entries_of_lost_updates(tmp_path):
@@ -307,7 +312,10 @@ def main_error(capsys, *argv):
     return err[0]
 
 
-@pytest.mark.parametrize("flag,value", [("--env", "atari"), ("--preset", "tpu"), ("--norm", "std")])
+@pytest.mark.parametrize(
+    "flag,value",
+    [("--env", "atari"), ("--preset", "tpu"), ("--norm", "std"), ("--lr-ramp-updates", "-1")],
+)
 def test_bad_choices(capsys, tmp_path, flag, value):
     assert flag in main_error(capsys, flag, value, "--run-dir", str(tmp_path / "r"))
     assert not os.path.exists(tmp_path / "r")
