@@ -19,7 +19,6 @@ import functools
 import importlib.util
 import json
 import os
-import platform
 import random
 import re
 import shutil
@@ -384,14 +383,9 @@ def read_config(path, flag):
             raise UsageError(f"{flag}: {path} is not a whole config.json ({e}); start anew") from e
 
 
-# The CPU features that pick oneDNN's matmul kernels: two CPUs with one model name but different
-# ones (AMX or not) round bf16 otherwise, and the same seed plays other episodes.
-CPU_KERNEL_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
-
-
 def versions():
     """What besides the arguments decides a run's arithmetic, recorded in config.json: on a CPU,
-    its model name and which of CPU_KERNEL_FLAGS it has."""
+    its model name and the flags that pick its bf16 kernels (extras/machine.py)."""
     import transformers
 
     found = {
@@ -401,17 +395,9 @@ def versions():
     }
     if torch.cuda.is_available():
         return {**found, "device": torch.cuda.get_device_name()}
-    names, flags = [], set()
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    names.append(value.strip())
-                elif key.strip() == "flags":
-                    flags.update(value.split())
-    cpu_flags = " ".join(f for f in CPU_KERNEL_FLAGS if f in flags) or "none"
-    return {**found, "device": names[0] if names else platform.machine(), "cpu_flags": cpu_flags}
+    from extras import machine
+
+    return {**found, **machine.cpu()}
 
 
 def resumed_args(given, run_dir):

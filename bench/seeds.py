@@ -13,7 +13,7 @@ Each cell runs `python train.py --env alfworld <method's flags> --seed S --run-d
 its wall time appended to <out>/times.jsonl. Stopped (Ctrl-C, SIGTERM, a crash) and started
 again with the same command: a finished cell is skipped, a torn cell with a checkpoint continues
 with --resume (exactly: its metrics equal an uninterrupted run's), a torn cell without one is
-deleted and started again. Standard library only.
+deleted and started again. Standard library only (and extras/machine.py, which is too).
 """
 
 import argparse
@@ -39,6 +39,9 @@ METHODS = {
 ENV = "alfworld"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "train.py")
+sys.path.insert(0, ROOT)
+from extras import machine  # noqa: E402  (the machine kind, as train.py records it)
+
 # flags the runner sets itself: given again after `--` they would contradict the cell
 OWN_FLAGS = {
     "--env",
@@ -153,32 +156,6 @@ def plan(cell):
     return "restart", f"torn ({last}, no checkpoint): deleted and started again"
 
 
-# train.py's CPU_KERNEL_FLAGS (this script stays stdlib-only: it does not import train.py)
-KERNEL_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
-
-
-def this_machine():
-    """This CPU as train.py records it in config.json's versions: {"device": model name,
-    "cpu_flags": which of KERNEL_FLAGS it has}; None where /proc/cpuinfo says nothing."""
-    names, flags = [], set()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    names.append(value.strip())
-                elif key.strip() == "flags":
-                    flags.update(value.split())
-    except OSError:
-        pass
-    if not names:
-        return None
-    return {
-        "device": names[0],
-        "cpu_flags": " ".join(f for f in KERNEL_FLAGS if f in flags) or "none",
-    }
-
-
 def machine_name(recorded):
     """A machine as a line names it: the model name, and its kernel flags where recorded."""
     flags = recorded.get("cpu_flags")
@@ -193,7 +170,7 @@ def other_machines(cells, queue, machine):
     todo = {cell["seed"] for cell, _ in queue}
     elsewhere = {}
     for cell in cells:
-        if machine is None or cell["seed"] not in todo or not finished(cell["results"]):
+        if cell["seed"] not in todo or not finished(cell["results"]):
             continue
         try:
             with open(os.path.join(cell["results"], "config.json")) as fh:
@@ -426,7 +403,7 @@ def main(argv=None):
             queue.append((cell, kind))
     counts = {"done": len(cells) - len(queue), "failed": 0}
     say(f"{len(cells)} cells, {counts['done']} done already, {len(queue)} to run")
-    for line in other_machines(cells, queue, this_machine()):
+    for line in other_machines(cells, queue, machine.cpu()):
         say(line)
 
     signal.signal(signal.SIGTERM, raise_interrupt)

@@ -102,8 +102,9 @@ finally:
 @pytest.mark.slow
 def test_a_one_gpu_run_loads_only_train_tigpo_and_envs(tiny_model, alfworld_data, tmp_path):
     """One update, HF engine, a local model, given games: the project modules in the process.
-    On a CPU also the one opt-in sampling module, extras/cpu_sampling.py (train.run enters it
-    there by one visible call); on a GPU nothing of extras/."""
+    On a CPU also the two opt-in modules a CPU asks for: extras/cpu_sampling.py (train.run
+    enters it there by one visible call) and extras/machine.py (the CPU's kind, for
+    config.json); on a GPU nothing of extras/."""
     argv = ["--model", tiny_model, "--data-dir", alfworld_data, "--updates", "1"]
     argv += ["--run-dir", str(tmp_path / "run"), "--num-groups", "1", "--group-size", "2"]
     argv += ["--max-steps", "2", "--max-new-tokens", "8", "--num-env-workers", "1"]
@@ -122,7 +123,8 @@ def test_a_one_gpu_run_loads_only_train_tigpo_and_envs(tiny_model, alfworld_data
     loaded = set(line.split()[1].split(","))  # train.py itself is __main__
     import torch
 
-    fast = set() if torch.cuda.is_available() else {"extras", "extras.cpu_sampling"}
+    cpu = {"extras", "extras.cpu_sampling", "extras.machine"}
+    fast = set() if torch.cuda.is_available() else cpu
     assert loaded == {"tigpo", "envs"} | fast, line
 
 
