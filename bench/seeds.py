@@ -162,11 +162,12 @@ def machine_name(recorded):
     return recorded["device"] + (f" ({flags})" if flags else "")
 
 
-def other_machines(cells, queue, machine):
+def other_machines(cells, queue, here):
     """One line per seed that still has cells to run here while some of its cells finished on
-    another machine kind: bf16 rounds differently there, so the seed's warm start differs and
-    its pairs would compare different starts (bench/compare.py flags such a seed). A config.json
-    from before cpu_flags was recorded is compared by model name alone."""
+    another machine kind than `here` (machine.cpu()): bf16 rounds differently there, so the
+    seed's warm start differs and its pairs would compare different starts (bench/compare.py
+    flags such a seed). A config.json from before cpu_flags was recorded is compared by model
+    name alone."""
     todo = {cell["seed"] for cell, _ in queue}
     elsewhere = {}
     for cell in cells:
@@ -178,13 +179,13 @@ def other_machines(cells, queue, machine):
         except (OSError, ValueError):
             continue
         if recorded.get("device") and any(
-            recorded.get(key, value) != value for key, value in machine.items()
+            recorded.get(key, value) != value for key, value in here.items()
         ):
             where = machine_name(recorded)
             elsewhere.setdefault(cell["seed"], []).append(f"{cell['method']} on {where}")
     return [
         f"note: seed {seed} has cells finished on another machine ({', '.join(done)}) and this "
-        f"one is {machine_name(machine)}: its cells run here start from another warm start; to "
+        f"one is {machine_name(here)}: its cells run here start from another warm start; to "
         "keep a seed on one machine kind, run its remaining cells there, or move its finished "
         "ones aside"
         for seed, done in elsewhere.items()
