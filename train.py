@@ -2247,7 +2247,8 @@ def run(args, resuming):
             if ranks:
                 totals = ranks.sum_totals(totals)
             stats = update_metrics(totals, minibatches, ref_model is not None)
-            stats["lr"] = optimizer.param_groups[0]["lr"]
+            if args.lr_ramp_updates:  # else --lr throughout, and the log keeps its old keys
+                stats["lr"] = optimizer.param_groups[0]["lr"]
             check_sampler(stats, args)
             synced = engine.sync(model) if engine else {}  # the engine samples the new weights
             update_s = time.time() - t0

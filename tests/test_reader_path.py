@@ -32,6 +32,8 @@ def test_one_update_reads_in_few_definitions_with_no_hidden_module(tiny_model, a
     names = [name for name, _, _ in path["definitions"]]
     assert names[0] == "run" and "update_policy" in names and "run_episodes" in names
     assert len(names) <= 24 and path["lines"] <= 750, (len(names), path["lines"], names)
-    # train, tigpo, envs, and on a CPU the one opt-in sampling module (in its package)
-    assert set(path["modules"]) <= {"train", "tigpo", "envs", "extras", "extras.cpu_sampling"}
+    # train, tigpo, envs, and on a CPU the opt-in modules a CPU asks for (in their package): the
+    # sampling fast path, and the CPU's kind that config.json records (train.versions)
+    cpu = {"extras", "extras.cpu_sampling", "extras.machine"}
+    assert set(path["modules"]) <= {"train", "tigpo", "envs"} | cpu
     assert "extras.cpu_sampling" in path["modules"]  # the CPU run took the fast path

@@ -276,6 +276,8 @@ def test_resume_matches_the_uninterrupted_run(runs, tiny_model, alfworld_data, t
         assert ma[1][key] == mb[1][key], key
     lr = float(TINY[TINY.index("--lr") + 1])  # a ramp of 2: half of it in update 1, then all
     assert [m["lr"] for m in ma] == [m["lr"] for m in mb] == [lr / 2, lr]
+    # without a ramp the log keeps the keys it had (a committed run re-runs to the same file)
+    assert not any("lr" in m for m in read_jsonl(os.path.join(runs["grpo"], "metrics.jsonl")))
 
 
 def test_resume_drops_the_log_entries_of_lost_updates(tmp_path):
