@@ -22,7 +22,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from seeds import METHODS  # noqa: E402  (the method names, in the table's order)
+from seeds import METHODS, machine  # noqa: E402  (the method names, in the table's order)
 
 START, END = "<!-- comparison:start -->", "<!-- comparison:end -->"
 EVAL = "eval/train/success_rate"
@@ -138,9 +138,7 @@ def config_differences(runs):
 
 def device(cell):
     """The machine kind: the CPU's (or GPU's) name, and the CPU's kernel flags where recorded."""
-    recorded = cell["config"].get("versions") or {}
-    flags = recorded.get("cpu_flags")
-    return recorded.get("device", "unknown") + (f" ({flags})" if flags else "")
+    return machine.label(cell["config"].get("versions") or {})
 
 
 def seed_starts(runs):

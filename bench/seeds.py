@@ -156,12 +156,6 @@ def plan(cell):
     return "restart", f"torn ({last}, no checkpoint): deleted and started again"
 
 
-def machine_name(recorded):
-    """A machine as a line names it: the model name, and its kernel flags where recorded."""
-    flags = recorded.get("cpu_flags")
-    return recorded["device"] + (f" ({flags})" if flags else "")
-
-
 def other_machines(cells, queue, here):
     """One line per seed that still has cells to run here while some of its cells finished on
     another machine kind than `here` (machine.cpu()): bf16 rounds differently there, so the
@@ -181,11 +175,11 @@ def other_machines(cells, queue, here):
         if recorded.get("device") and any(
             recorded.get(key, value) != value for key, value in here.items()
         ):
-            where = machine_name(recorded)
+            where = machine.label(recorded)
             elsewhere.setdefault(cell["seed"], []).append(f"{cell['method']} on {where}")
     return [
         f"note: seed {seed} has cells finished on another machine ({', '.join(done)}) and this "
-        f"one is {machine_name(here)}: its cells run here start from another warm start; to "
+        f"one is {machine.label(here)}: its cells run here start from another warm start; to "
         "keep a seed on one machine kind, run its remaining cells there, or move its finished "
         "ones aside"
         for seed, done in elsewhere.items()

@@ -25,3 +25,10 @@ def cpu():
         "device": names[0] if names else platform.machine(),
         "cpu_flags": " ".join(f for f in KERNEL_FLAGS if f in flags) or "none",
     }
+
+
+def label(recorded):
+    """A machine kind as a line names it: the model name, and the kernel flags where recorded
+    (a config.json from before cpu_flags names the model alone)."""
+    flags = recorded.get("cpu_flags")
+    return recorded.get("device", "unknown") + (f" ({flags})" if flags else "")
