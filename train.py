@@ -247,6 +247,7 @@ CPU_ALFWORLD = dict(
     group_size=4,
     temperature=0.7,
     lr=5e-5,
+    lr_ramp_updates=3,  # lr/3, 2lr/3, then lr: a first batch of 2 successes moves it less (RESULTS)
     minibatch_size=16,
     eval_splits="train",
     eval_repeats=8,

@@ -28,10 +28,11 @@ needs_vllm = pytest.mark.skipif(
     "the packaged SmolLM2",
 )
 
-# A short run of the CPU preset (SmolLM2, the top 8 blocks trained at lr 5e-5) on given games.
+# A short run of the CPU preset (SmolLM2, the top 8 blocks trained at lr 5e-5 from update 1, no
+# ramp) on given games.
 SHORT = "--num-groups 1 --group-size 2 --revisit-groups 0 --max-steps 2"
 SHORT += " --num-env-workers 1 --warmup-epochs 0 --eval-every 0 --task-types all"
-SHORT += " --max-receptacles 0 --minibatch-size 2"
+SHORT += " --max-receptacles 0 --minibatch-size 2 --lr-ramp-updates 0"
 
 # Runs train.main with the engine's sync skipped after update 1: the engine keeps the weights it
 # had, and nothing but the engine's own check stands between them and update 2's rollout.
