@@ -363,16 +363,18 @@ def parse_args(argv, cuda=None):
 
 def saved_settings(path):
     """The arguments a run's config.json recorded (not its folder), as flags given: the preset
-    and the machine's defaults were resolved when it was written, so they stand as they are.
-    Warns when the versions it recorded differ from this machine's (the arithmetic may too)."""
+    and the machine's defaults were resolved when it was written, so they stand as they are. A
+    flag added since takes its default, which is how the run ran (a new flag changes no number
+    unless given), not a preset's later value. Warns when the versions it recorded differ from
+    this machine's (the arithmetic may too)."""
     if not os.path.isfile(path):
         raise UsageError(f"--config {path}: no such file (a run folder's config.json)")
     saved = read_config(path, "--config")
     recorded, now = saved.get("versions", {}), versions()
     if any(now.get(key) != value for key, value in recorded.items()):  # the keys it recorded
         say(f"--config {path}: recorded with {recorded}, running on {now}")
-    known = {f.name for f in dataclasses.fields(Args)} - {"run_dir", "resume", "config"}
-    return {k: v for k, v in saved.items() if k in known}
+    fields = [f for f in dataclasses.fields(Args) if f.name not in ("run_dir", "resume", "config")]
+    return {f.name: saved.get(f.name, f.default) for f in fields}
 
 
 def read_config(path, flag):

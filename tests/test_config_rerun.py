@@ -61,5 +61,18 @@ def test_config_warns_only_where_a_recorded_version_differs(tmp_path, capsys):
     older = {k: v for k, v in now.items() if k != "cpu_flags"}  # before cpu_flags was recorded
     for recorded, warned in ((now, False), (older, False), ({**now, "device": "Z"}, True)):
         path.write_text(json.dumps({"seed": 5, "versions": recorded}))
-        assert train.saved_settings(str(path)) == {"seed": 5}
+        assert train.saved_settings(str(path))["seed"] == 5
         assert ("recorded with" in capsys.readouterr().out) is warned
+
+
+def test_a_config_from_before_a_flag_existed_re_runs_with_the_flag_off(tmp_path):
+    # issue 38's cells were recorded before --lr-ramp-updates; the CPU preset now ramps over 3
+    # updates, and a re-run of such a cell must run as it ran: without a ramp
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"env": "alfworld", "preset": "cpu", "seed": 71, "lr": 5e-5}))
+    args, _ = train.parse_args(
+        ["--config", str(path), "--run-dir", str(tmp_path / "r")], cuda=False
+    )
+    assert (args.seed, args.lr, args.lr_ramp_updates) == (71, 5e-5, 0)
+    fresh, _ = train.parse_args(["--env", "alfworld", "--run-dir", str(tmp_path / "f")], cuda=False)
+    assert fresh.lr_ramp_updates == 3  # the preset's value, where no config.json is given
