@@ -22,7 +22,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from seeds import METHODS, machine  # noqa: E402  (the method names, in the table's order)
+from seeds import METHODS, machine  # noqa: E402  (the methods in the table's order; extras.machine)
 
 START, END = "<!-- comparison:start -->", "<!-- comparison:end -->"
 EVAL = "eval/train/success_rate"
