@@ -244,6 +244,7 @@ CPU_ALFWORLD = dict(
     num_games="4,6",
     max_steps=7,
     warmup_epochs=2,
+    warmup_minibatch_size=9,  # 15-17 expert steps: 2 near-equal steps an epoch, never a lone one
     group_size=4,
     temperature=0.7,
     lr=5e-5,
