@@ -194,6 +194,8 @@ def fit_prompt(tok, goal, history, obs, admissible, env, response_format, limit)
 # ---------------------------------------------------------------------------------------------
 SPLITS = {"alfworld": ("train", "valid_seen", "valid_unseen"), "webshop": ("train", "test")}
 ALFWORLD_SPLITS = SPLITS["alfworld"]
+# generated games that only the warm start plays (train.py --warmup-games), never an eval split
+ALFWORLD_WARMUP_SPLIT = "warmup"
 STATE_KEYS = ("facts", "obs")
 BANNER = "-= Welcome to TextWorld, ALFRED! =-"
 NOTHING = "Nothing happens."  # textworld's answer to a non-admissible command
@@ -471,7 +473,7 @@ class AlfWorldEnv:
         task_types=None,
         max_receptacles=None,
     ):
-        if split not in ALFWORLD_SPLITS:
+        if split not in (*ALFWORLD_SPLITS, ALFWORLD_WARMUP_SPLIT):
             raise ValueError(f"split must be one of {ALFWORLD_SPLITS}, got {split!r}")
         check_state_key(state_key)
         self.types, self.max_receptacles = task_types_of(task_types), max_receptacles

@@ -172,6 +172,11 @@ class Args:
     )
     warmup_lr: float = arg(1e-4, "AdamW learning rate of the warm start")
     warmup_minibatch_size: int = arg(8, "expert steps per optimizer step of the warm start")
+    warmup_games: int = arg(
+        0,
+        "more generated games whose walkthroughs the warm start clones too, of the run's task "
+        "types, neither trained nor evaluated on (needs generated games: no --data-dir)",
+    )
     # eval, logging, checkpoints
     eval_temperature: float = arg(0.4, "sampling temperature of evaluation")
     eval_every: int = arg(25, "evaluate before training, every N updates and at the end; 0 = never")
@@ -464,6 +469,11 @@ def check_args(args):
         (args.eval_temperature > 0, "--eval-temperature must be > 0"),
         (args.eval_repeats >= 1, "--eval-repeats must be >= 1"),
         (args.warmup_minibatch_size >= 1, "--warmup-minibatch-size must be >= 1"),
+        (args.warmup_games >= 0, "--warmup-games must be >= 0"),
+        (
+            not args.warmup_games or args.warmup_epochs,
+            "--warmup-games adds games to the warm start: give --warmup-epochs >= 1 too",
+        ),
         (args.logit_chunk >= 1, "--logit-chunk must be >= 1"),
         (
             args.rollout_is_cap is None or args.rollout_is_cap >= 0,
@@ -749,7 +759,14 @@ def make_pool(args, split):
 
             num_train, num_eval = map(int, args.num_games.split(","))
             kinds = (args.task_types, args.max_receptacles or None)
-            data_dir = alfworld_gen.cached_games(args.seed, num_train, num_eval, *kinds)
+            data_dir = alfworld_gen.cached_games(
+                args.seed, num_train, num_eval, *kinds, num_warmup=args.warmup_games
+            )
+        elif args.warmup_games:
+            raise UsageError(
+                f"--warmup-games {args.warmup_games} generates its games, and {data_dir} is "
+                f"given: use --warmup-games 0 (or drop --data-dir and unset ALFWORLD_DATA)"
+            )
         settings = dict(
             split=split,
             data_dir=data_dir,
@@ -1298,12 +1315,16 @@ def update_policy(
 
 
 def walkthrough_samples(args, prompt, tok, settings):
-    """One sample per expert step of every game of an ALFWorld env: the prompt the agent would
-    see there (same format, history and truncation as a rollout), the expert's reply as the
-    response, advantage 1."""
+    """One sample per expert step of every training game, then of every --warmup-games game:
+    the prompt the agent would see there (same format, history and truncation as a rollout),
+    the expert's reply as the response, advantage 1."""
     env = envs.AlfWorldEnv(**{**settings, "max_steps": 1000})  # the training games' settings
+    tasks = env.tasks
+    if args.warmup_games:
+        split = envs.ALFWORLD_WARMUP_SPLIT
+        tasks += envs.AlfWorldEnv(**{**settings, "split": split}).tasks
     samples = []
-    for g, task in enumerate(env.tasks):
+    for g, task in enumerate(tasks):
         with open(os.path.join(env.root, task)) as fh:
             walkthrough = json.load(fh).get("walkthrough")
         if not walkthrough:
@@ -1383,9 +1404,12 @@ def warm_start(args, model, tok, prompt, settings, ranks=None):
             tokens += minibatch[1]
     if ranks:
         (logp,) = ranks.sum([logp])
+    games = (
+        f"training games and {args.warmup_games} more" if args.warmup_games else "training games"
+    )
     say(
         f"warm start: {args.warmup_epochs} epoch(s) on {len(samples)} expert steps of the "
-        f"training games, loss {-logp / max(tokens, 1):.3f}, {time.time() - t0:.0f}s"
+        f"{games}, loss {-logp / max(tokens, 1):.3f}, {time.time() - t0:.0f}s"
     )
 
 

@@ -23,6 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from envs import ALFWORLD_TASK_TYPES as TASK_TYPES
+from envs import ALFWORLD_WARMUP_SPLIT as WARMUP_SPLIT
 from envs import AlfWorldGame, import_alfworld, task_types_of
 
 alfworld = import_alfworld()
@@ -366,16 +367,19 @@ def generate(
     seed=0,
     task_types=tuple(TASK_TYPES),
     max_receptacles=None,
+    num_warmup=0,
 ):
-    """Write num_train games to json_2.1.1/train and num_eval to each of valid_seen and
-    valid_unseen under out_dir, the given task types round-robin (with all six, any count >= 6
-    covers every type), in scenes with at most max_receptacles receptacles (None: any scene; a
-    small scene means few places to go, so few admissible actions). Deterministic for a seed
-    and these settings. A generator: yields
+    """Write num_train games to json_2.1.1/train, num_eval to each of valid_seen and
+    valid_unseen, and num_warmup to warmup (games of the training scenes that only train.py's
+    warm start plays: neither trained nor evaluated on) under out_dir, the given task types
+    round-robin (with all six, any count >= 6 covers every type), in scenes with at most
+    max_receptacles receptacles (None: any scene; a small scene means few places to go, so few
+    admissible actions). Deterministic for a seed and these settings: the splits draw from
+    separate streams, so adding warmup games changes no other game. A generator: yields
     (split, game path, walkthrough) as each game is written, so the caller can show progress and
     play the walkthrough (generate_games does both)."""
-    if num_train < 0 or num_eval < 0:
-        raise ValueError("generate: num_train and num_eval must be >= 0")
+    if min(num_train, num_eval, num_warmup) < 0:
+        raise ValueError("generate: num_train, num_eval and num_warmup must be >= 0")
     unknown = sorted(set(task_types) - set(TASK_TYPES))
     if unknown or not task_types:
         raise ValueError(f"generate: unknown task types {unknown}: use some of {list(TASK_TYPES)}")
@@ -388,6 +392,7 @@ def generate(
         ("train", num_train),
         ("valid_seen", num_eval),
         ("valid_unseen", num_eval),
+        (WARMUP_SPLIT, num_warmup),
     ):
         rng = random.Random(f"{seed}-{split}")
         scenes = _scenes(split, max_receptacles)
@@ -463,13 +468,14 @@ def generate_games(
     max_receptacles=None,
     verify=True,
     progress=True,
+    num_warmup=0,
 ):
     """Generate ALFWorld games into out_dir/json_2.1.1 (generate) with a progress bar, and play
     each game's walkthrough through envs.AlfWorldGame: every step must be admissible and the last
     one must win (the solvability check; the planner is never called). Returns the written game
     paths."""
     written, player = [], None  # one game replays every walkthrough (see AlfWorldGame.load)
-    total = num_train + 2 * num_eval
+    total = num_train + 2 * num_eval + num_warmup
     bar = tqdm(
         total=total,
         desc="generating games",
@@ -480,7 +486,7 @@ def generate_games(
     )
     try:
         for _, path, steps in generate(
-            out_dir, num_train, num_eval, seed, task_types, max_receptacles
+            out_dir, num_train, num_eval, seed, task_types, max_receptacles, num_warmup
         ):
             if verify:
                 player = _play_walkthrough(player, path, steps)
@@ -518,28 +524,39 @@ def _cache_dir():
 
 
 def cached_games(
-    seed=0, num_train=NUM_TRAIN, num_eval=NUM_EVAL, task_types=None, max_receptacles=None
+    seed=0,
+    num_train=NUM_TRAIN,
+    num_eval=NUM_EVAL,
+    task_types=None,
+    max_receptacles=None,
+    num_warmup=0,
 ):
     """The json_2.1.1 folder of generated games in the user cache, made once, keyed by seed,
-    counts, task types and scene size: what a run plays when no ALFWorld data is given."""
+    counts, task types and scene size: what a run plays when no ALFWorld data is given (and,
+    with num_warmup, the games only its warm start plays)."""
     types = task_types_of(task_types)
     name = f"alfworld-{seed}-{num_train}-{num_eval}"
     if types != tuple(TASK_TYPES):
         name += "-" + "-".join(types)
     if max_receptacles:
         name += f"-r{max_receptacles}"
+    if num_warmup:
+        name += f"-w{num_warmup}"
     target = os.path.join(_cache_dir(), name)
     root = os.path.join(target, "json_2.1.1")
     if not os.path.isdir(root):
         os.makedirs(_cache_dir(), exist_ok=True)
+        warmup = f" (+{num_warmup} for the warm start)" if num_warmup else ""
         print(
-            f"tigpo: no ALFWORLD_DATA; generating {num_train}+{num_eval}+{num_eval} ALFWorld "
-            f"games once into {target}",
+            f"tigpo: no ALFWORLD_DATA; generating {num_train}+{num_eval}+{num_eval}{warmup} "
+            f"ALFWorld games once into {target}",
             file=sys.stderr,
         )
         tmp = tempfile.mkdtemp(prefix="alfworld-tmp-", dir=_cache_dir())
         try:
-            generate_games(tmp, num_train, num_eval, seed, types, max_receptacles)
+            generate_games(
+                tmp, num_train, num_eval, seed, types, max_receptacles, num_warmup=num_warmup
+            )
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -584,6 +601,12 @@ def main(argv=None):
         default=None,
         help="only scenes with at most this many receptacles (default: any)",
     )
+    parser.add_argument(
+        "--num-warmup",
+        type=int,
+        default=0,
+        help="games in warmup: only train.py's warm start plays them (--warmup-games)",
+    )
     parser.add_argument("--no-verify", action="store_true", help="skip playing each walkthrough")
     args = parser.parse_args(argv)
     try:
@@ -595,6 +618,7 @@ def main(argv=None):
             tuple(args.task_types.split(",")),
             args.max_receptacles,
             verify=not args.no_verify,
+            num_warmup=args.num_warmup,
         )
     except ValueError as e:
         parser.error(str(e))

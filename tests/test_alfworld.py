@@ -201,6 +201,25 @@ def test_generator_is_deterministic_for_a_seed(tmp_path):
     assert seen and all(int(s) in alfworld_gen.C.TEST_SCENE_NUMBERS for s in seen)
 
 
+def test_warmup_games_are_extra_and_change_no_other_game(tmp_path):
+    # --warmup-games: games only the warm start plays, in a split of their own; the train and
+    # eval games of the seed stay the ones a run without them plays
+    from extras import alfworld_gen
+
+    def written(out, **kw):
+        paths = alfworld_gen.generate_games(
+            str(out), num_train=2, num_eval=1, seed=7, progress=False, **kw
+        )
+        return {os.path.relpath(p, out): open(p).read() for p in paths}
+
+    plain, more = written(tmp_path / "a"), written(tmp_path / "b", num_warmup=2)
+    extra = sorted(set(more) - set(plain))
+    assert {k: more[k] for k in plain} == plain and len(extra) == 2
+    assert all(k.startswith("json_2.1.1/warmup/") for k in extra)
+    env = envs.AlfWorldEnv(split="warmup", data_dir=str(tmp_path / "b" / "json_2.1.1"))
+    assert sorted(env.tasks) == sorted(k.split("/", 1)[1] for k in extra)
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
 def test_switching_tasks_reuses_one_planner_library(alfworld_data):
     # every textworld PDDL env maps its own 33 MB copy of libdownward.so for good: one env per
