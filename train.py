@@ -1320,7 +1320,7 @@ def walkthrough_samples(args, prompt, tok, settings):
     the expert's reply as the response, advantage 1."""
     env = envs.AlfWorldEnv(**{**settings, "max_steps": 1000})  # the training games' settings
     tasks = env.tasks
-    if args.warmup_games:
+    if args.warmup_games:  # keys name their split ("warmup/..."): the same env plays them
         split = envs.ALFWORLD_WARMUP_SPLIT
         tasks += envs.AlfWorldEnv(**{**settings, "split": split}).tasks
     samples = []
