@@ -473,8 +473,9 @@ class AlfWorldEnv:
         task_types=None,
         max_receptacles=None,
     ):
-        if split not in (*ALFWORLD_SPLITS, ALFWORLD_WARMUP_SPLIT):
-            raise ValueError(f"split must be one of {ALFWORLD_SPLITS}, got {split!r}")
+        splits = (*ALFWORLD_SPLITS, ALFWORLD_WARMUP_SPLIT)
+        if split not in splits:
+            raise ValueError(f"split must be one of {splits}, got {split!r}")
         check_state_key(state_key)
         self.types, self.max_receptacles = task_types_of(task_types), max_receptacles
         self.root = given_alfworld_data(data_dir)

@@ -474,6 +474,14 @@ def check_args(args):
             not args.warmup_games or args.warmup_epochs,
             "--warmup-games adds games to the warm start: give --warmup-epochs >= 1 too",
         ),
+        (
+            not args.warmup_games
+            or args.env != "alfworld"
+            or not (args.data_dir or os.environ.get("ALFWORLD_DATA")),
+            f"--warmup-games {args.warmup_games} generates its games, and --data-dir or "
+            "ALFWORLD_DATA names given ones: use --warmup-games 0, or drop --data-dir and unset "
+            "ALFWORLD_DATA",
+        ),
         (args.logit_chunk >= 1, "--logit-chunk must be >= 1"),
         (
             args.rollout_is_cap is None or args.rollout_is_cap >= 0,
@@ -761,11 +769,6 @@ def make_pool(args, split):
             kinds = (args.task_types, args.max_receptacles or None)
             data_dir = alfworld_gen.cached_games(
                 args.seed, num_train, num_eval, *kinds, num_warmup=args.warmup_games
-            )
-        elif args.warmup_games:
-            raise UsageError(
-                f"--warmup-games {args.warmup_games} generates its games, and {data_dir} is "
-                f"given: use --warmup-games 0 (or drop --data-dir and unset ALFWORLD_DATA)"
             )
         settings = dict(
             split=split,

@@ -127,6 +127,10 @@ def test_the_cpu_preset_is_per_environment(tmp_path):
         )
     with pytest.raises(UsageError, match="--revisit-delay"):
         train.parse_args(["--revisit-delay", "0", "--run-dir", str(tmp_path / "y")], cuda=False)
+    # refused before the model loads: given games have no warm-up split to generate into
+    given = ["--data-dir", str(tmp_path), "--warmup-games", "2", "--run-dir", str(tmp_path / "g")]
+    with pytest.raises(UsageError, match="--warmup-games 2 generates its games"):
+        train.parse_args(["--env", "alfworld", *given], cuda=False)
 
 
 def test_the_eval_subset_is_stratified_by_task_type_and_stable():
