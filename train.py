@@ -1453,7 +1453,7 @@ def evaluate(args, sample, prompt, seed, show=True, ranks=None):
                     ranks.finish_sampling(sample)
             finally:
                 pool.close()
-            keys = ("success", "score", "valid", "task_type")
+            keys = ("success", "score", "valid", "task_type", "task")
             trajs = [{k: t[k] for k in keys} for t in trajs]
             if ranks:
                 trajs = ranks.gather(trajs)
@@ -1468,7 +1468,10 @@ def evaluate(args, sample, prompt, seed, show=True, ranks=None):
 
 
 def summarize(trajs, prefix=""):
-    """Success rate overall and per task type, mean score, episode length, episode count."""
+    """Success rate overall and per task type, mean score, episode length, episode count; and of
+    the distinct games played, how many were won at least once, overall and per task type (a
+    success rate cannot tell one game won often from every game won sometimes; an update can
+    play a game twice, as an exploration group and a revisit)."""
     n = len(trajs)
     metrics = {
         f"{prefix}success_rate": float(np.mean([t["success"] for t in trajs])) if n else 0.0,
@@ -1476,9 +1479,16 @@ def summarize(trajs, prefix=""):
         f"{prefix}mean_score": float(np.mean([t["score"] for t in trajs])) if n else 0.0,
         f"{prefix}episode_len": float(np.mean([len(t["valid"]) for t in trajs])) if n else 0.0,
     }
-    for kind in sorted({t["task_type"] for t in trajs}):
+    won, kind_of = {}, {}  # game -> won at least once; game -> its task type
+    for t in trajs:
+        won[t["task"]] = won.get(t["task"], False) or bool(t["success"])
+        kind_of[t["task"]] = t["task_type"]
+    metrics[f"{prefix}games"] = len(won)
+    metrics[f"{prefix}games_won"] = sum(won.values())
+    for kind in sorted(set(kind_of.values())):
         wins = [t["success"] for t in trajs if t["task_type"] == kind]
         metrics[f"{prefix}success/{kind}"] = float(np.mean(wins))
+        metrics[f"{prefix}games_won/{kind}"] = sum(w for g, w in won.items() if kind_of[g] == kind)
     return metrics
 
 

@@ -160,6 +160,7 @@ def test_every_algo_trains_logs_and_checkpoints(runs, algo):
     ):
         assert key in metrics[-1], key
     assert any(k.startswith("success/") for k in metrics[-1])
+    assert 1 <= metrics[-1]["games"] <= 4 and 0 <= metrics[-1]["games_won"] <= metrics[-1]["games"]
     assert 0.0 < metrics[0]["valid_action_ratio"] < 1.0  # the tiny model's mix
     assert metrics[0]["optimizer_steps"] == (4 if algo in ("tigpo", "gigpo") else 1)  # 16 samples
     if metrics[0]["optimizer_steps"] == 1:

@@ -187,3 +187,23 @@ def test_a_resumed_run_still_prints_before_and_after(tmp_path, capsys):
     log.write(metrics, [{"kind": "explore"}], [], [])
     out = capsys.readouterr().out + capsys.readouterr().err
     assert "train 0.25 [0.13, 0.42] (n=32) -> 0.50 [0.34, 0.66] (n=32)" in out, out
+
+
+def test_summarize_counts_the_games_won_at_least_once():
+    """A success rate of 0.5 over four episodes is one game won twice or two games won once: the
+    games counts tell them apart, and a game played twice (exploration and revisit) counts once."""
+
+    def ep(task, kind, success):
+        return {"task": task, "task_type": kind, "success": success, "score": 0.0, "valid": [1]}
+
+    one_game = [ep("a", "pick", True), ep("a", "pick", True), ep("b", "look", False)]
+    one_game.append(ep("b", "look", False))
+    two_games = [ep("a", "pick", True), ep("a", "pick", False), ep("b", "look", True)]
+    two_games.append(ep("b", "look", False))
+    m1, m2 = train.summarize(one_game, prefix="eval/train/"), train.summarize(two_games)
+    assert m1["eval/train/success_rate"] == m2["success_rate"] == 0.5
+    assert (m1["eval/train/games"], m1["eval/train/games_won"]) == (2, 1)
+    assert (m2["games"], m2["games_won"]) == (2, 2)
+    assert (m1["eval/train/games_won/pick"], m1["eval/train/games_won/look"]) == (1, 0)
+    assert (m2["games_won/pick"], m2["games_won/look"]) == (1, 1)
+    assert train.summarize([])["games"] == 0
