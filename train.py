@@ -431,8 +431,14 @@ def resumed_args(given, run_dir):
 
 def resolve_defaults(args, cuda):
     """The values that depend on the machine and the engine."""
+    fast = bf16_is_fast(cuda and args.device != "cpu")
     if args.precision is None:
-        args.precision = "bf16" if bf16_is_fast(cuda and args.device != "cpu") else "fp32"
+        args.precision = "bf16" if fast else "fp32"
+    elif args.precision == "bf16" and not fast:  # given, or from a config.json made elsewhere
+        say(
+            "--precision bf16: this machine has no bf16 units, so it runs several times slower "
+            "than fp32 (--precision fp32 is faster, and a run of its own arithmetic)"
+        )
     if args.rollout_is_cap is None:
         args.rollout_is_cap = 2.0 if args.rollout_engine == "vllm" else 0.0
     if not args.threads:

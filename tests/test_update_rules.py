@@ -207,3 +207,21 @@ def test_summarize_counts_the_games_won_at_least_once():
     assert (m1["eval/train/games_won/pick"], m1["eval/train/games_won/look"]) == (1, 0)
     assert (m2["games_won/pick"], m2["games_won/look"]) == (1, 1)
     assert train.summarize([])["games"] == 0
+
+
+def test_bf16_without_bf16_units_says_it_is_slow(monkeypatch, capsys, tmp_path):
+    """A config.json made on a CPU with bf16 units, re-run on one without, asks for bf16: it
+    runs (the run is the user's to make) and says fp32 would be faster; the machine's own
+    choice says nothing."""
+    monkeypatch.setattr(train, "bf16_is_fast", lambda cuda: False)
+    args, _ = train.parse_args(
+        ["--env", "alfworld", "--precision", "bf16", "--run-dir", str(tmp_path)], cuda=False
+    )
+    assert args.precision == "bf16" and "several times slower" in capsys.readouterr().out
+    args, _ = train.parse_args(["--env", "alfworld", "--run-dir", str(tmp_path)], cuda=False)
+    assert args.precision == "fp32" and "slower" not in capsys.readouterr().out
+    monkeypatch.setattr(train, "bf16_is_fast", lambda cuda: True)
+    train.parse_args(
+        ["--env", "alfworld", "--precision", "bf16", "--run-dir", str(tmp_path)], cuda=False
+    )
+    assert "slower" not in capsys.readouterr().out
