@@ -248,16 +248,35 @@ def drop_from_push(monkeypatch, sampler, names):
         ),  # embedding pushed, tied lm_head's kernel copy not rebuilt
     ],
 )
-def test_broken_sync_raises(sampler, scratch, monkeypatch, perturb, names, group):
+def test_broken_sync_raises(sampler, hf, scratch, monkeypatch, perturb, names, group):
     """A sync that leaves a group out raises, naming it. The next sync pushes everything again.
-    (Another
-    seed than test_sync_follows_trainer's, which left the engine holding that perturbation.)"""
+    (Another seed than test_sync_follows_trainer's, which left the engine holding that
+    perturbation.) The lm_head case needs a kernel copy of the head to go stale: vLLM packs one
+    where the CPU has AMX or oneDNN takes the dtype; where its head reads the shared embedding
+    tensor itself (bf16 on an AVX2-only CPU), nothing is stale, the sync passes and the engine
+    must then follow the trainer: the case skips, saying so."""
     drop_from_push(monkeypatch, sampler, names)
     if names in ([], ["model.embed_tokens.weight"]):
         monkeypatch.setattr(vllm_engine, "_retie_lm_head", lambda m: None)
-    with pytest.raises(RuntimeError, match=group.replace("(", r"\(").replace(")", r"\)")) as err:
-        sampler.sync(scratch(perturb, seed=1))
-    print(f"\n{sampler.dtype}: {err.value}")
+    changed = scratch(perturb, seed=1)
+    try:
+        sampler.sync(changed)
+    except RuntimeError as err:
+        assert group in str(err), err
+        print(f"\n{sampler.dtype}: {err}")
+        return
+    assert group == "lm_head", f"a sync that left out {names} did not raise"
+    _, tok = hf
+    probe = (
+        step_prompts(tok, 1)[0] + tok(f"go to cabinet 1{STOP}", add_special_tokens=False).input_ids
+    )
+    ref = hf_logprobs(changed, probe[:1], probe[1:], 1.0)
+    gap = float((engine_logprobs(sampler, probe) - ref).abs().mean())
+    assert gap < vllm_engine.PROBE_TOL[sampler.dtype], gap  # no copy, so nothing stale
+    pytest.skip(
+        f"{sampler.dtype}: this machine's vLLM lm_head reads the embedding tensor (no packed copy "
+        f"to go stale); the engine follows the trainer without the re-tie (probe gap {gap:.2g})"
+    )
 
 
 @pytest.fixture(scope="module")
