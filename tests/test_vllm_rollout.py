@@ -197,19 +197,24 @@ def scratch(hf):
     return perturbed
 
 
+def probe_gap(sampler, tok, model):
+    """Mean |engine - `model`| log-prob over a step prompt and a reply, at temperature 1."""
+    probe = (
+        step_prompts(tok, 1)[0] + tok(f"go to cabinet 1{STOP}", add_special_tokens=False).input_ids
+    )
+    ref = hf_logprobs(model, probe[:1], probe[1:], 1.0)
+    return float((engine_logprobs(sampler, probe) - ref).abs().mean())
+
+
 @pytest.mark.parametrize("perturb", [perturb_linear, perturb_norm, perturb_embedding])
 def test_sync_follows_trainer(sampler, hf, scratch, perturb):
     """Each perturbation moves the trainer's log-probs a lot; after sync the engine's follow
     them."""
-    model, tok = hf
-    probe = (
-        step_prompts(tok, 1)[0] + tok(f"go to cabinet 1{STOP}", add_special_tokens=False).input_ids
-    )
+    _, tok = hf
     changed = scratch(perturb)
-    ref = hf_logprobs(changed, probe[:1], probe[1:], 1.0)
-    before = float((engine_logprobs(sampler, probe) - ref).abs().mean())
+    before = probe_gap(sampler, tok, changed)
     cost = sampler.sync(changed)
-    after = float((engine_logprobs(sampler, probe) - ref).abs().mean())
+    after = probe_gap(sampler, tok, changed)
     print(
         f"\n{sampler.dtype} {perturb.__name__}: sync {cost['sync_s']:.2f} s, verify "
         f"{cost['verify_s']:.2f} s, "
@@ -266,12 +271,7 @@ def test_broken_sync_raises(sampler, hf, scratch, monkeypatch, perturb, names, g
         print(f"\n{sampler.dtype}: {err}")
         return
     assert group == "lm_head", f"a sync that left out {names} did not raise"
-    _, tok = hf
-    probe = (
-        step_prompts(tok, 1)[0] + tok(f"go to cabinet 1{STOP}", add_special_tokens=False).input_ids
-    )
-    ref = hf_logprobs(changed, probe[:1], probe[1:], 1.0)
-    gap = float((engine_logprobs(sampler, probe) - ref).abs().mean())
+    gap = probe_gap(sampler, hf[1], changed)
     assert gap < vllm_engine.PROBE_TOL[sampler.dtype], gap  # no copy, so nothing stale
     pytest.skip(
         f"{sampler.dtype}: this machine's vLLM lm_head reads the embedding tensor (no packed copy "
