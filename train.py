@@ -1240,8 +1240,8 @@ def update_policy(
     the same micro-batches (under bf16 a log-prob moves by up to ~0.1 between batch shapes: noise
     the clip would act on). before_step(model), if given, runs between backward and the gradient
     clip (torchrun: the gradient sum). reuse, if given (extras/cpu_sampling.FrozenReuse), runs
-    the policy's forward of micro-batch `micro` under reuse(micro). Returns the update's token
-    sums."""
+    the policy's forward of micro-batch `micro` under reuse(micro), the reference's under
+    reuse.reference(ref_model, micro). Returns the update's token sums."""
     pad = model.generation_config.pad_token_id
     device = next(model.parameters()).device
     batches = []
@@ -1260,8 +1260,11 @@ def update_policy(
                     old[s].append(response_logprobs(model, batch, *settings))
         if ref_model is not None:
             ref = []
-            for step in batches:
-                ref.append([response_logprobs(ref_model, b, *settings) for b in step])
+            for s, step in enumerate(batches):
+                ref.append([])
+                for micro, batch in zip(minibatches[s][0], step):
+                    with reuse.reference(ref_model, micro) if reuse else contextlib.nullcontext():
+                        ref[s].append(response_logprobs(ref_model, batch, *settings))
     keys = ("loss", "pg_loss", "kl", "clip_frac", "grad_norm", "logp", "gap", "gap_max")
     keys += ("is_weight", "is_clipped", "sampled_tokens")
     totals = dict.fromkeys(keys, 0.0)

@@ -461,7 +461,10 @@ class FrozenReuse:
     generate), the forward starts above those blocks from it, left-padded as train.collate pads
     the tokens; else a no-grad pass (pi_old) records their output for the passes that follow.
     A micro-batch appears in the pi_old pass and in its step, with the same indices. The result
-    is the same, bit for bit, as running the blocks (tests/test_cpu_sampling.py)."""
+    is the same, bit for bit, as running the blocks (tests/test_cpu_sampling.py).
+    reference(ref_model, micro) is the KL reference's forward of the same micro-batch: its
+    frozen blocks are the policy's (a copy, or the policy itself with LoRA's adapters off), so
+    an output known here stands in for theirs too."""
 
     def __init__(self, model, samples):
         self.model = model
@@ -469,26 +472,42 @@ class FrozenReuse:
         self.depth = frozen_depth(model)
         self.known = {}  # (sample indices) -> (n, L, H) output of the frozen blocks
 
-    @contextlib.contextmanager
-    def __call__(self, micro):
+    def given(self, micro):
+        """The frozen blocks' output for this micro-batch: recorded, or carried by every one of
+        its samples from the rollout (then kept); None if neither."""
         key = tuple(micro)
         members = [self.samples[i] for i in micro]
-        if self.depth and key not in self.known and all("frozen" in s for s in members):
+        if key not in self.known and all("frozen" in s for s in members):
             L = max(len(s["prompt_ids"]) + len(s["response_ids"]) for s in members)
             like = members[0]["frozen"]
             given = like.new_zeros((len(members), L, like.shape[-1]))
             for i, s in enumerate(members):
                 given[i, L - len(s["frozen"]) :] = s["frozen"]
             self.known[key] = given.to(next(self.model.parameters()).device)
+        return self.known.get(key)
+
+    @contextlib.contextmanager
+    def __call__(self, micro):
+        given = self.given(micro) if self.depth else None
         if not self.depth:
             yield
-        elif key in self.known:
-            with frozen_blocks(self.model, self.depth, given=self.known[key]):
+        elif given is not None:
+            with frozen_blocks(self.model, self.depth, given=given):
                 yield
         elif not torch.is_grad_enabled():
             recorded = []
             with frozen_blocks(self.model, self.depth, keep=recorded):
                 yield
-            self.known[key] = recorded[0]
+            self.known[tuple(micro)] = recorded[0]
         else:
+            yield
+
+    @contextlib.contextmanager
+    def reference(self, ref_model, micro):
+        given = self.given(micro) if self.depth else None
+        if given is None:  # nothing recorded yet: the reference runs its own frozen blocks
+            yield
+            return
+        model = getattr(ref_model, "peft_model", ref_model)  # train.AdaptersOff wraps the policy
+        with frozen_blocks(model, self.depth, given=given):
             yield

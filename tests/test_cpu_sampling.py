@@ -46,6 +46,56 @@ def test_the_frozen_blocks_run_once_per_sample_and_the_update_is_bit_identical(p
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+@pytest.mark.parametrize("reference", ["copy", "adapters off"])
+def test_the_kl_reference_reuses_the_frozen_blocks_and_the_update_is_bit_identical(reference):
+    """--kl-coef with --trainable-layers (or LoRA on the top blocks): the reference's frozen
+    blocks are the policy's, so its forward starts from their recorded output too
+    (FrozenReuse.reference). Against the same update with every block run in every pass: the
+    same weights and statistics, KL included, bit for bit."""
+    results = []
+    for reusing in (True, False):
+        model = frozen_llama()
+        if reference == "copy":
+            ref_model = frozen_llama().eval().requires_grad_(False)  # the policy before RL
+        else:
+            pytest.importorskip("peft", reason="needs the LoRA extra")
+            torch.manual_seed(0)
+            model = train.add_lora(model, 4, 0, 2)  # the top 2 blocks (of 4) adapted
+            ref_model = train.AdaptersOff(model)
+        samples = frozen_samples()
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=1e-2)
+        totals = []
+        for update in range(2):  # update 2: the reference differs from the policy
+            plan = train.minibatch_plan(
+                samples, 4, 32, torch.Generator().manual_seed(update), False
+            )
+            reuse = cpu_sampling.FrozenReuse(model, samples) if reusing else None
+            replayed = []
+            forward = cpu_sampling.frozen_blocks
+
+            def counting(*args, **kwargs):
+                replayed.append(kwargs.get("given") is not None)
+                return forward(*args, **kwargs)
+
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(cpu_sampling, "frozen_blocks", counting)
+                totals.append(
+                    train.update_policy(
+                        model, optimizer, samples, plan, ref_model, kl_coef=0.1, reuse=reuse
+                    )
+                )
+            # minibatches 2 and 3, recorded by the pi_old pass: replayed by the reference's
+            # pass and by their steps
+            later = sum(len(micros) for micros, _ in plan[1:])
+            assert sum(replayed) == (2 * later if reusing else 0)
+        assert totals[1]["kl"] > 0.0
+        results.append((totals, [p.detach().clone() for p in model.parameters()]))
+    (reused, a), (recomputed, b) = results
+    assert reused == recomputed
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 def left_padded_frozen(samples):
     """The samples' frozen-block outputs left-padded as collate pads their tokens, (n, L, H)."""
     L = max(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
