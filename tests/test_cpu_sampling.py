@@ -46,6 +46,17 @@ def test_the_frozen_blocks_run_once_per_sample_and_the_update_is_bit_identical(p
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def counting(replayed):
+    """cpu_sampling.frozen_blocks, noting in `replayed` whether each call replays a known output."""
+    forward = cpu_sampling.frozen_blocks
+
+    def frozen_blocks(*args, **kwargs):
+        replayed.append(kwargs.get("given") is not None)
+        return forward(*args, **kwargs)
+
+    return frozen_blocks
+
+
 @pytest.mark.parametrize("reference", ["copy", "adapters off"])
 def test_the_kl_reference_reuses_the_frozen_blocks_and_the_update_is_bit_identical(reference):
     """--kl-coef with --trainable-layers (or LoRA on the top blocks): the reference's frozen
@@ -72,14 +83,8 @@ def test_the_kl_reference_reuses_the_frozen_blocks_and_the_update_is_bit_identic
             )
             reuse = cpu_sampling.FrozenReuse(model, samples) if reusing else None
             replayed = []
-            forward = cpu_sampling.frozen_blocks
-
-            def counting(*args, **kwargs):
-                replayed.append(kwargs.get("given") is not None)
-                return forward(*args, **kwargs)
-
             with pytest.MonkeyPatch.context() as patch:
-                patch.setattr(cpu_sampling, "frozen_blocks", counting)
+                patch.setattr(cpu_sampling, "frozen_blocks", counting(replayed))
                 totals.append(
                     train.update_policy(
                         model, optimizer, samples, plan, ref_model, kl_coef=0.1, reuse=reuse
