@@ -489,12 +489,10 @@ class FrozenReuse:
     @contextlib.contextmanager
     def __call__(self, micro):
         given = self.given(micro) if self.depth else None
-        if not self.depth:
-            yield
-        elif given is not None:
+        if given is not None:
             with frozen_blocks(self.model, self.depth, given=given):
                 yield
-        elif not torch.is_grad_enabled():
+        elif self.depth and not torch.is_grad_enabled():
             recorded = []
             with frozen_blocks(self.model, self.depth, keep=recorded):
                 yield
