@@ -474,7 +474,9 @@ class FrozenReuse:
 
     def given(self, micro):
         """The frozen blocks' output for this micro-batch: recorded, or carried by every one of
-        its samples from the rollout (then kept); None if neither."""
+        its samples from the rollout (then kept); None if neither, or no block is frozen."""
+        if not self.depth:
+            return None
         key = tuple(micro)
         members = [self.samples[i] for i in micro]
         if key not in self.known and all("frozen" in s for s in members):
@@ -488,7 +490,7 @@ class FrozenReuse:
 
     @contextlib.contextmanager
     def __call__(self, micro):
-        given = self.given(micro) if self.depth else None
+        given = self.given(micro)
         if given is not None:
             with frozen_blocks(self.model, self.depth, given=given):
                 yield
@@ -502,7 +504,7 @@ class FrozenReuse:
 
     @contextlib.contextmanager
     def reference(self, ref_model, micro):
-        given = self.given(micro) if self.depth else None
+        given = self.given(micro)
         if given is None:  # nothing recorded yet: the reference runs its own frozen blocks
             yield
             return
