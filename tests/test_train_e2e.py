@@ -47,6 +47,8 @@ TINY = [
     "1e-6",
     "--kl-coef",
     "0.01",
+    "--invalid-penalty",  # the paper's p: with the cpu preset's 0, no success means no advantage
+    "0.1",
     "--temperature",
     "1.0",
     "--history-length",

@@ -109,6 +109,7 @@ def test_the_cpu_preset_is_per_environment(tmp_path):
     )
     alf, _ = train.parse_args(["--env", "alfworld", "--run-dir", str(tmp_path / "a")], cuda=False)
     assert (alf.warmup_epochs, alf.max_steps, alf.graph_gamma, alf.temperature) == (2, 9, 0.1, 1.0)
+    assert (alf.invalid_penalty, web.invalid_penalty) == (0.0, 0.1)  # issue 37's fourteenth step
     # issue 20: the eval that can tell: the training games, >= 32 episodes, before and after RL only
     assert alf.eval_splits == "train" and alf.eval_repeats * int(alf.num_games.split(",")[0]) >= 32
     assert alf.eval_every == alf.updates

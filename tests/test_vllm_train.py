@@ -78,6 +78,8 @@ def test_train_py_with_the_vllm_engine(alfworld_data, tmp_path):
         "vllm",
         "--precision",
         "fp32",
+        "--invalid-penalty",  # the paper's p: with the cpu preset's 0, no success means no update
+        "0.1",
         "--lr",
         "3e-4",
         "--temperature",
