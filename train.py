@@ -177,6 +177,12 @@ class Args:
         "more generated games whose walkthroughs the warm start clones too, of the run's task "
         "types, neither trained nor evaluated on (needs generated games: no --data-dir)",
     )
+    warmup_floor: float = arg(
+        0.0,
+        "after the warm start's epochs, one more at a time while success on the training games "
+        "before RL (the eval before update 1) is below this, up to --warmup-max-epochs; 0 = off",
+    )
+    warmup_max_epochs: int = arg(6, "the most warm-start epochs --warmup-floor may run in all")
     # eval, logging, checkpoints
     eval_temperature: float = arg(0.4, "sampling temperature of evaluation")
     eval_every: int = arg(25, "evaluate before training, every N updates and at the end; 0 = never")
@@ -479,6 +485,17 @@ def check_args(args):
         (args.eval_repeats >= 1, "--eval-repeats must be >= 1"),
         (args.warmup_minibatch_size >= 1, "--warmup-minibatch-size must be >= 1"),
         (args.warmup_games >= 0, "--warmup-games must be >= 0"),
+        (0 <= args.warmup_floor <= 1, "--warmup-floor must be in [0, 1] (0 = off)"),
+        (
+            not args.warmup_floor
+            or (args.warmup_epochs and args.eval_every and "train" in args.eval_splits.split(",")),
+            "--warmup-floor reads the eval on the training games before RL: give --warmup-epochs "
+            ">= 1, --eval-every >= 1 and train among --eval-splits",
+        ),
+        (
+            not args.warmup_floor or args.warmup_max_epochs >= args.warmup_epochs,
+            "--warmup-max-epochs counts all warm-start epochs: give at least --warmup-epochs",
+        ),
         (
             not args.warmup_games or args.warmup_epochs,
             "--warmup-games adds games to the warm start: give --warmup-epochs >= 1 too",
@@ -1379,53 +1396,70 @@ def walkthrough_samples(args, prompt, tok, settings):
 def warm_start(args, model, tok, prompt, settings, ranks=None):
     """Behaviour cloning of the expert walkthroughs as E12 with advantage 1, one step per
     minibatch: then pi_old is the step's own forward, rho = 1, and the gradient is that of the
-    token-mean cross-entropy."""
+    token-mean cross-entropy. Runs --warmup-epochs epochs and returns more(): one more epoch of
+    the same cloning (same samples, same optimizer), which --warmup-floor calls."""
     t0 = time.time()
     samples = walkthrough_samples(args, prompt, tok, settings)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.warmup_lr, weight_decay=args.weight_decay)
     before_step = ranks.sum_gradients if ranks else None
-    for epoch in range(args.warmup_epochs):
-        order = torch.Generator().manual_seed(args.seed + epoch)
-        plan_args = (args.warmup_minibatch_size, args.token_budget, order, False)
-        if ranks:  # every rank holds every expert step and trains every world-th one
-            minibatches, mine = ranks.minibatches(
-                minibatch_plan, micro_batches, samples, *plan_args, shared=True
+    done = 0
+
+    def epochs(n):
+        """n more epochs; returns the last one's loss."""
+        nonlocal done
+        for epoch in range(done, done + n):
+            order = torch.Generator().manual_seed(args.seed + epoch)
+            plan_args = (args.warmup_minibatch_size, args.token_budget, order, False)
+            if ranks:  # every rank holds every expert step and trains every world-th one
+                minibatches, mine = ranks.minibatches(
+                    minibatch_plan, micro_batches, samples, *plan_args, shared=True
+                )
+            else:
+                minibatches, mine = minibatch_plan(samples, *plan_args), samples
+            logp = 0.0  # the last epoch's loss is the one reported
+            tokens = 0.0
+            bar = tqdm(
+                minibatches,
+                desc=f"warm start {epoch + 1}/{done + n}",
+                unit="step",
+                leave=False,
+                dynamic_ncols=True,
+                disable=not IS_MAIN,
             )
-        else:
-            minibatches, mine = minibatch_plan(samples, *plan_args), samples
-        logp = 0.0  # the last epoch's loss is the one reported
-        tokens = 0.0
-        bar = tqdm(
-            minibatches,
-            desc=f"warm start {epoch + 1}/{args.warmup_epochs}",
-            unit="step",
-            leave=False,
-            dynamic_ncols=True,
-            disable=not IS_MAIN,
-        )
-        for minibatch in bar:
-            totals = update_policy(
-                model,
-                optimizer,
-                mine,
-                [minibatch],
-                max_grad_norm=args.max_grad_norm,
-                precision=args.precision,
-                logit_chunk=args.logit_chunk,
-                before_step=before_step,
-            )
-            logp += totals["logp"]
-            tokens += minibatch[1]
-    if ranks:
-        (logp,) = ranks.sum([logp])
+            for minibatch in bar:
+                totals = update_policy(
+                    model,
+                    optimizer,
+                    mine,
+                    [minibatch],
+                    max_grad_norm=args.max_grad_norm,
+                    precision=args.precision,
+                    logit_chunk=args.logit_chunk,
+                    before_step=before_step,
+                )
+                logp += totals["logp"]
+                tokens += minibatch[1]
+        done += n
+        if ranks:
+            (logp,) = ranks.sum([logp])
+        return -logp / max(tokens, 1)
+
+    loss = epochs(args.warmup_epochs)
     games = (
         f"training games and {args.warmup_games} more" if args.warmup_games else "training games"
     )
     say(
         f"warm start: {args.warmup_epochs} epoch(s) on {len(samples)} expert steps of the "
-        f"{games}, loss {-logp / max(tokens, 1):.3f}, {time.time() - t0:.0f}s"
+        f"{games}, loss {loss:.3f}, {time.time() - t0:.0f}s"
     )
+
+    def more():
+        t0 = time.time()
+        loss = epochs(1)
+        say(f"warm start: epoch {done}, loss {loss:.3f}, {time.time() - t0:.0f}s")
+
+    return more
 
 
 # =================================================================================================
@@ -2164,8 +2198,9 @@ def run(args, resuming):
             cleanup.push(log.finish)
         prompt = prompt_builder(args, tok, model)
         prefill = envs.ACTION_PREFILL if args.response_format == "action" else ""
+        more_warmup = None
         if args.warmup_epochs and start == 0:  # behaviour cloning before RL (the cpu preset)
-            warm_start(args, model, tok, prompt, pool.kwargs, ranks)
+            more_warmup = warm_start(args, model, tok, prompt, pool.kwargs, ranks)
         ref_model = None
         if args.kl_coef > 0:
             ref_model = reference_model(args, model, tok, start, ranks)
@@ -2204,6 +2239,21 @@ def run(args, resuming):
             rollout_sample = sample
         if start == 0 and args.eval_every:  # "before": the policy before RL
             before = evaluate(args, sample, prompt, args.seed, IS_MAIN, ranks)
+            epochs = args.warmup_epochs
+            while args.warmup_floor and epochs < args.warmup_max_epochs:  # a success floor
+                success = before["eval/train/success_rate"]
+                if success >= args.warmup_floor:
+                    break
+                say(f"eval train {success:.2f} < --warmup-floor {args.warmup_floor}")
+                more_warmup()
+                epochs += 1
+                if engine:
+                    engine.sync(model)
+                if ref_model is not None:  # the reference is the policy RL starts from
+                    ref_model = reference_model(args, model, tok, start, ranks)
+                before = evaluate(args, sample, prompt, args.seed, IS_MAIN, ranks)
+            if args.warmup_floor:  # how many epochs the floor took
+                before["warmup_epochs"] = epochs
             if log:
                 log.write({"update": 0, **before}, None, [], [])
 

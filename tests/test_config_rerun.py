@@ -76,3 +76,33 @@ def test_a_config_from_before_a_flag_existed_re_runs_with_the_flag_off(tmp_path)
     assert (args.seed, args.lr, args.lr_ramp_updates) == (71, 5e-5, 0)
     fresh, _ = train.parse_args(["--env", "alfworld", "--run-dir", str(tmp_path / "f")], cuda=False)
     assert fresh.lr_ramp_updates == 3  # the preset's value, where no config.json is given
+
+
+def test_the_warm_start_floor_continues_the_same_cloning(tiny_model, alfworld_data, tmp_path):
+    """--warmup-floor: while eval on the training games before RL is below the floor, one more
+    warm-start epoch, up to --warmup-max-epochs. The random tiny model never succeeds, so a
+    floor of 0.5 runs all 3 epochs: then the run equals one of 3 plain warm-start epochs, metric
+    for metric (the evals in between draw from their own RNG; the KL reference is the policy
+    after the last epoch, not the one the floor first evaluated)."""
+    flags = [*TINY, "--model", tiny_model, "--data-dir", alfworld_data, "--updates", "1"]
+    flags += ["--eval-every", "1", "--eval-splits", "train", "--eval-tasks", "1"]
+    floor = str(tmp_path / "floor")
+    plain = str(tmp_path / "plain")
+    proc = run_train(
+        *flags,
+        "--warmup-epochs",
+        "1",
+        "--warmup-floor",
+        "0.5",
+        "--warmup-max-epochs",
+        "3",
+        "--run-dir",
+        floor,
+    )
+    assert proc.stdout.count("< --warmup-floor 0.5") == 2
+    assert "warm start: epoch 3, loss" in proc.stdout
+    run_train(*flags, "--warmup-epochs", "3", "--run-dir", plain)
+    got = without_timings(read_jsonl(os.path.join(floor, "metrics.jsonl")))
+    want = without_timings(read_jsonl(os.path.join(plain, "metrics.jsonl")))
+    assert got[0].pop("warmup_epochs") == 3 and got[1]["kl"] is not None
+    assert got == want

@@ -126,6 +126,14 @@ def test_the_cpu_preset_is_per_environment(tmp_path):
         train.parse_args(
             ["--warmup-minibatch-size", "0", "--run-dir", str(tmp_path / "z")], cuda=False
         )
+    with pytest.raises(UsageError, match="--warmup-floor reads the eval on the training games"):
+        train.parse_args(
+            ["--warmup-floor", "0.1", "--eval-every", "0", "--run-dir", str(tmp_path / "f")],
+            cuda=False,
+        )
+    with pytest.raises(UsageError, match="--warmup-max-epochs counts all warm-start epochs"):
+        floor = ["--warmup-floor", "0.1", "--warmup-max-epochs", "1", "--run-dir", str(tmp_path)]
+        train.parse_args(["--env", "alfworld", *floor], cuda=False)
     with pytest.raises(UsageError, match="--revisit-delay"):
         train.parse_args(["--revisit-delay", "0", "--run-dir", str(tmp_path / "y")], cuda=False)
     # refused before the model loads: given games have no warm-up split to generate into
