@@ -101,7 +101,7 @@ def test_the_warm_start_floor_continues_the_same_cloning(tiny_model, alfworld_da
     )
     assert proc.stdout.count("< --warmup-floor 0.5") == 2
     assert "warm start: epoch 3, loss" in proc.stdout
-    run_train(*flags, "--warmup-epochs", "3", "--run-dir", plain)
+    run_train(*flags, "--warmup-epochs", "3", "--warmup-floor", "0", "--run-dir", plain)
     got = without_timings(read_jsonl(os.path.join(floor, "metrics.jsonl")))
     want = without_timings(read_jsonl(os.path.join(plain, "metrics.jsonl")))
     assert got[0].pop("warmup_epochs") == 3 and got[1]["kl"] is not None
