@@ -184,6 +184,11 @@ class Args:
         "(and inert without a warm start or that eval)",
     )
     warmup_max_epochs: int = arg(6, "the most warm-start epochs --warmup-floor may run in all")
+    warmup_floor_per_kind: bool = arg(
+        False,
+        "apply --warmup-floor to each task type's success before RL instead of the training "
+        "games' overall success (a type whose groups never succeed trains nothing in RL)",
+    )
     # eval, logging, checkpoints
     eval_temperature: float = arg(0.4, "sampling temperature of evaluation")
     eval_every: int = arg(25, "evaluate before training, every N updates and at the end; 0 = never")
@@ -377,10 +382,11 @@ def parse_args(argv, cuda=None):
             "use --warmup-epochs 0"
         )
     floored = args.warmup_epochs and args.eval_every and "train" in args.eval_splits.split(",")
-    if flags.get("warmup_floor") and not floored:  # the preset's floor is inert there instead
+    given = [f for f in ("warmup_floor", "warmup_floor_per_kind") if flags.get(f)]
+    if given and not floored:  # the preset's floor is inert there instead
         raise UsageError(
-            "--warmup-floor reads the eval on the training games before RL: give --warmup-epochs "
-            ">= 1, --eval-every >= 1 and train among --eval-splits"
+            f"--{given[0].replace('_', '-')} reads the eval on the training games before RL: give "
+            "--warmup-epochs >= 1, --eval-every >= 1 and train among --eval-splits"
         )
     check_args(args)
     resolve_defaults(args, cuda)
@@ -497,6 +503,11 @@ def check_args(args):
         (args.warmup_minibatch_size >= 1, "--warmup-minibatch-size must be >= 1"),
         (args.warmup_games >= 0, "--warmup-games must be >= 0"),
         (0 <= args.warmup_floor <= 1, "--warmup-floor must be in [0, 1] (0 = off)"),
+        (
+            not args.warmup_floor_per_kind or args.warmup_floor > 0,
+            "--warmup-floor-per-kind applies --warmup-floor to each task type: give "
+            "--warmup-floor > 0",
+        ),
         (
             not args.warmup_games or args.warmup_epochs,
             "--warmup-games adds games to the warm start: give --warmup-epochs >= 1 too",
@@ -1463,6 +1474,18 @@ def warm_start(args, model, tok, prompt, settings, ranks=None):
     return more
 
 
+def below_floor(before, floor, per_kind=False):
+    """What keeps --warmup-floor cloning: the eval's success on the training games before RL, or
+    with per_kind each task type's, where it is below the floor, as 'name success' strings; []
+    once the floor is met."""
+    if per_kind:
+        kind = "eval/train/success/"
+        scores = {k[len(kind) :]: v for k, v in before.items() if k.startswith(kind)}
+    else:
+        scores = {"train": before["eval/train/success_rate"]}
+    return [f"{name} {score:.2f}" for name, score in scores.items() if score < floor]
+
+
 # =================================================================================================
 # Evaluation: the eval splits at eval temperature, from an RNG stream of its own
 # =================================================================================================
@@ -2243,10 +2266,10 @@ def run(args, resuming):
             epochs = args.warmup_epochs
             floored = more_warmup and "eval/train/success_rate" in before
             while floored and args.warmup_floor and epochs < args.warmup_max_epochs:  # (RESULTS)
-                success = before["eval/train/success_rate"]
-                if success >= args.warmup_floor:
+                low = below_floor(before, args.warmup_floor, args.warmup_floor_per_kind)
+                if not low:
                     break
-                say(f"eval train {success:.2f} < --warmup-floor {args.warmup_floor}")
+                say(f"eval {', '.join(low)} < --warmup-floor {args.warmup_floor}")
                 more_warmup()
                 epochs += 1
                 if engine:

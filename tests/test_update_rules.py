@@ -221,6 +221,35 @@ def test_summarize_counts_the_games_won_at_least_once():
     assert train.summarize([])["games"] == 0
 
 
+def test_the_floor_per_kind_reads_each_task_type(tmp_path):
+    """--warmup-floor reads the training games' success before RL; --warmup-floor-per-kind reads
+    each task type's from the same eval (summarize's keys), so 0.38 overall with no look game won
+    still asks for another epoch (issue 37's sixteenth step)."""
+
+    def ep(kind, success):
+        return {"task": kind, "task_type": kind, "success": success, "score": 0.0, "valid": [1]}
+
+    before = train.summarize([ep("pick", True), ep("pick", True), ep("look", False)], "eval/train/")
+    assert train.below_floor(before, 0.03) == []
+    assert train.below_floor(before, 0.03, per_kind=True) == ["look 0.00"]
+    assert train.below_floor(before, 0.9) == ["train 0.67"]
+    assert train.below_floor(before, 0.9, per_kind=True) == ["look 0.00"]
+    alf, _ = train.parse_args(
+        ["--warmup-floor-per-kind", "--run-dir", str(tmp_path / "a")], cuda=False
+    )
+    assert (alf.warmup_floor, alf.warmup_floor_per_kind) == (0.03, True)  # the preset's floor
+    with pytest.raises(UsageError, match="give --warmup-floor > 0"):
+        train.parse_args(
+            ["--warmup-floor-per-kind", "--warmup-floor", "0", "--run-dir", str(tmp_path / "b")],
+            cuda=False,
+        )
+    with pytest.raises(UsageError, match="--warmup-floor-per-kind reads the eval"):
+        train.parse_args(
+            ["--warmup-floor-per-kind", "--eval-every", "0", "--run-dir", str(tmp_path / "c")],
+            cuda=False,
+        )
+
+
 def test_bf16_without_bf16_units_says_it_is_slow(monkeypatch, capsys, tmp_path):
     """A config.json made on a CPU with bf16 units, re-run on one without, asks for bf16: it
     runs (the run is the user's to make) and says fp32 would be faster; the machine's own
