@@ -267,9 +267,11 @@ CPU_ALFWORLD = dict(
     # no invalid-action penalty: a group without a success then moves nothing, where the penalty
     # divided by E3's std taught validity alone and seeds fell (RESULTS, 14th step)
     invalid_penalty=0.0,
-    # a warm start that leaves some success: one more epoch at a time while the eval before RL
-    # wins none of its 32 episodes, at most 6 in all (RESULTS, 15th step)
+    # a warm start that leaves some success in each task type: one more epoch at a time while the
+    # eval before RL wins none of a type's 16 episodes, at most 6 in all (RESULTS, 15th and 16th
+    # steps): a type whose groups never succeed trains nothing
     warmup_floor=0.03,
+    warmup_floor_per_kind=True,
     lr=5e-5,
     lr_ramp_updates=3,  # lr/3, 2lr/3, then lr: a first batch of 2 successes moves it less (RESULTS)
     minibatch_size=16,
@@ -388,6 +390,11 @@ def parse_args(argv, cuda=None):
             f"--{given[0].replace('_', '-')} reads the eval on the training games before RL: give "
             "--warmup-epochs >= 1, --eval-every >= 1 and train among --eval-splits"
         )
+    if flags.get("warmup_floor_per_kind") and not args.warmup_floor:  # the preset's: off with it
+        raise UsageError(
+            "--warmup-floor-per-kind applies --warmup-floor to each task type: give "
+            "--warmup-floor > 0"
+        )
     check_args(args)
     resolve_defaults(args, cuda)
     return args, False
@@ -503,11 +510,6 @@ def check_args(args):
         (args.warmup_minibatch_size >= 1, "--warmup-minibatch-size must be >= 1"),
         (args.warmup_games >= 0, "--warmup-games must be >= 0"),
         (0 <= args.warmup_floor <= 1, "--warmup-floor must be in [0, 1] (0 = off)"),
-        (
-            not args.warmup_floor_per_kind or args.warmup_floor > 0,
-            "--warmup-floor-per-kind applies --warmup-floor to each task type: give "
-            "--warmup-floor > 0",
-        ),
         (
             not args.warmup_games or args.warmup_epochs,
             "--warmup-games adds games to the warm start: give --warmup-epochs >= 1 too",

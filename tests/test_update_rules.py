@@ -111,6 +111,7 @@ def test_the_cpu_preset_is_per_environment(tmp_path):
     assert (alf.warmup_epochs, alf.max_steps, alf.graph_gamma, alf.temperature) == (2, 9, 0.1, 1.0)
     assert (alf.invalid_penalty, web.invalid_penalty) == (0.0, 0.1)  # issue 37's fourteenth step
     assert (alf.warmup_floor, alf.warmup_max_epochs, web.warmup_floor) == (0.03, 6, 0.0)  # 15th
+    assert (alf.warmup_floor_per_kind, web.warmup_floor_per_kind) == (True, False)  # 16th step
     # issue 20: the eval that can tell: the training games, >= 32 episodes, before and after RL only
     assert alf.eval_splits == "train" and alf.eval_repeats * int(alf.num_games.split(",")[0]) >= 32
     assert alf.eval_every == alf.updates
@@ -136,7 +137,7 @@ def test_the_cpu_preset_is_per_environment(tmp_path):
     quiet, _ = train.parse_args(
         ["--env", "alfworld", "--eval-every", "0", "--run-dir", str(tmp_path / "q")], cuda=False
     )
-    assert quiet.warmup_floor == 0.03 and quiet.eval_every == 0
+    assert quiet.warmup_floor == 0.03 and quiet.warmup_floor_per_kind and quiet.eval_every == 0
     with pytest.raises(UsageError, match="--revisit-delay"):
         train.parse_args(["--revisit-delay", "0", "--run-dir", str(tmp_path / "y")], cuda=False)
     # refused before the model loads: given games have no warm-up split to generate into
@@ -238,6 +239,8 @@ def test_the_floor_per_kind_reads_each_task_type(tmp_path):
         ["--warmup-floor-per-kind", "--run-dir", str(tmp_path / "a")], cuda=False
     )
     assert (alf.warmup_floor, alf.warmup_floor_per_kind) == (0.03, True)  # the preset's floor
+    off, _ = train.parse_args(["--warmup-floor", "0", "--run-dir", str(tmp_path / "o")], cuda=False)
+    assert off.warmup_floor == 0 and off.warmup_floor_per_kind  # the preset's per type: off too
     with pytest.raises(UsageError, match="give --warmup-floor > 0"):
         train.parse_args(
             ["--warmup-floor-per-kind", "--warmup-floor", "0", "--run-dir", str(tmp_path / "b")],
