@@ -189,6 +189,11 @@ class Args:
         "apply --warmup-floor to each task type's success before RL instead of the training "
         "games' overall success (a type whose groups never succeed trains nothing in RL)",
     )
+    bc_coef: float = arg(
+        0.0,
+        "keep cloning during RL: every expert step the warm start clones joins each update as "
+        "a sample with this advantage (E12, clipped as any sample); 0 = off. ALFWorld only",
+    )
     # eval, logging, checkpoints
     eval_temperature: float = arg(0.4, "sampling temperature of evaluation")
     eval_every: int = arg(25, "evaluate before training, every N updates and at the end; 0 = never")
@@ -378,11 +383,12 @@ def parse_args(argv, cuda=None):
                 f"--revisit-groups needs --algo tigpo ({args.algo} explores only); drop it"
             )
         args.revisit_groups = 0  # the baselines explore only
-    if args.env != "alfworld" and args.warmup_epochs:
-        raise UsageError(
-            "--warmup-epochs clones ALFWorld's expert walkthroughs; WebShop has none: "
-            "use --warmup-epochs 0"
-        )
+    for flag in ("warmup_epochs", "bc_coef"):
+        if args.env != "alfworld" and getattr(args, flag):
+            name = flag.replace("_", "-")
+            raise UsageError(
+                f"--{name} clones ALFWorld's expert walkthroughs; WebShop has none: use --{name} 0"
+            )
     floored = args.warmup_epochs and args.eval_every and "train" in args.eval_splits.split(",")
     given = [f for f in ("warmup_floor", "warmup_floor_per_kind") if flags.get(f)]
     if given and not floored:  # the preset's floor is inert there instead
@@ -510,6 +516,7 @@ def check_args(args):
         (args.warmup_minibatch_size >= 1, "--warmup-minibatch-size must be >= 1"),
         (args.warmup_games >= 0, "--warmup-games must be >= 0"),
         (0 <= args.warmup_floor <= 1, "--warmup-floor must be in [0, 1] (0 = off)"),
+        (args.bc_coef >= 0, "--bc-coef must be >= 0 (0 = off)"),
         (
             not args.warmup_games or args.warmup_epochs,
             "--warmup-games adds games to the warm start: give --warmup-epochs >= 1 too",
@@ -1375,8 +1382,8 @@ def walkthrough_samples(args, prompt, tok, settings):
             walkthrough = json.load(fh).get("walkthrough")
         if not walkthrough:
             raise UsageError(
-                f"--warmup-epochs: {task} has no expert walkthrough (only generated games and "
-                f"the official ones carry it); use --warmup-epochs 0"
+                f"--warmup-epochs and --bc-coef clone expert walkthroughs, and {task} has none "
+                f"(only generated games and the official ones carry one); use 0 for both"
             )
         obs, info = env.reset(task)
         goal = info["goal"]
@@ -2284,6 +2291,22 @@ def run(args, resuming):
             if log:
                 log.write({"update": 0, **before}, None, [], [])
 
+        replay = []  # --bc-coef: expert steps every update trains on too (docs/RESULTS.md)
+        if args.bc_coef:
+            replay = walkthrough_samples(args, prompt, tok, pool.kwargs)[RANK::WORLD_SIZE]
+            for s in replay:
+                s["traj"] += args.num_groups * args.group_size  # after the batch's trajectories
+                s["advantage"] = args.bc_coef
+                s["expert"] = True
+            if depth:  # their frozen blocks' output, as a rollout keeps it; those never change
+                pad = model.generation_config.pad_token_id
+                settings = (args.temperature, args.precision, args.logit_chunk)
+                fast.keep_frozen(
+                    model,
+                    replay,
+                    lambda b: response_logprobs(model, collate(b, pad, device), *settings),
+                )
+
         K = args.group_size
         bar = tqdm(
             range(start + 1, args.updates + 1),
@@ -2345,6 +2368,7 @@ def run(args, resuming):
 
             # ------------------------------------------------------------------------- update (E12)
             t0 = time.time()
+            samples += replay  # --bc-coef's expert steps: samples like the others from here on
             for group in optimizer.param_groups:  # update u of a ramp of N: lr u/N, then lr
                 group["lr"] = args.lr * min(1.0, update / max(args.lr_ramp_updates, 1))
             order = torch.Generator().manual_seed(args.seed * 1000003 + update)  # same on all ranks
@@ -2386,6 +2410,7 @@ def run(args, resuming):
             # --------------------------------------------------------- memory (E10), schedule (E11)
             if args.dump_advantages:  # debug: the advantage each sample trained with
                 seen = [[s["traj"] // K, s["traj"] % K, s["step"], s["advantage"]] for s in samples]
+                seen = [row for row, s in zip(seen, samples) if not s.get("expert")]
                 if ranks:
                     seen = ranks.gather(seen)
                 if log:

@@ -454,6 +454,19 @@ def frozen_blocks(model, depth, keep=None, given=None):
             layer.__dict__.pop("forward", None)
 
 
+def keep_frozen(model, samples, forward):
+    """Give samples that no rollout generated (the expert steps --bc-coef adds to every update)
+    what a rollout keeps for FrozenReuse: "frozen", the frozen blocks' output over prompt and
+    response, (P + R, H), from forward([sample]) (the trainer's forward of a batch), one sample
+    at a time, so no padding enters it."""
+    depth = frozen_depth(model)
+    for s in samples:
+        kept = []
+        with torch.no_grad(), frozen_blocks(model, depth, keep=kept):
+            forward([s])
+        s["frozen"] = kept[0][0]
+
+
 class FrozenReuse:
     """The update's side of the frozen blocks, for one update's samples: reuse(micro) is the
     context of the policy's forward of the micro-batch holding those sample indices. When each

@@ -46,6 +46,35 @@ def test_the_frozen_blocks_run_once_per_sample_and_the_update_is_bit_identical(p
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def test_expert_steps_get_the_frozen_blocks_output_a_forward_computes():
+    """keep_frozen (the expert steps of --bc-coef, which no rollout generated): each sample gets
+    the hidden state a forward of it alone hands to the first trained block, over its prompt and
+    response; FrozenReuse then starts every pass of an update above the frozen blocks from it."""
+    model = frozen_llama()
+    samples = frozen_samples(5)
+    cpu = torch.device("cpu")
+    cpu_sampling.keep_frozen(
+        model, samples, lambda b: train.response_logprobs(model, train.collate(b, 0, cpu), 1.0)
+    )
+    for s in samples:
+        ids = torch.tensor([s["prompt_ids"] + s["response_ids"]])
+        with torch.no_grad():
+            hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[2][0]
+        assert s["frozen"].shape == hidden.shape
+        assert torch.allclose(s["frozen"], hidden, atol=1e-6)
+    replayed = []
+    params = [p for p in model.parameters() if p.requires_grad]
+    plan = train.minibatch_plan(samples, 2, 32, torch.Generator().manual_seed(0), True)
+    reuse = cpu_sampling.FrozenReuse(model, samples)
+    original = cpu_sampling.frozen_blocks
+    cpu_sampling.frozen_blocks = counting(replayed)
+    try:
+        train.update_policy(model, torch.optim.AdamW(params), samples, plan, reuse=reuse)
+    finally:
+        cpu_sampling.frozen_blocks = original
+    assert replayed and all(replayed)
+
+
 def counting(replayed):
     """cpu_sampling.frozen_blocks, noting in `replayed` whether each call replays a known output."""
     forward = cpu_sampling.frozen_blocks

@@ -284,6 +284,30 @@ def test_resume_matches_the_uninterrupted_run(runs, tiny_model, alfworld_data, t
     assert not any("lr" in m for m in read_jsonl(os.path.join(runs["grpo"], "metrics.jsonl")))
 
 
+def test_cloning_during_rl_trains_every_expert_step_in_each_update_and_resumes(
+    tiny_model, alfworld_data, tmp_path
+):
+    """--bc-coef c: every expert step the warm start clones joins each update as a sample with
+    advantage c; with --trainable-layers they carry their frozen blocks' output from the start
+    (cpu_sampling.keep_frozen). An update trains on one sample per env step of its episodes
+    and on the expert steps; a run resumed after update 1 ends where the uninterrupted one does."""
+    flags = [*TINY, "--model", tiny_model, "--data-dir", alfworld_data, "--trainable-layers", "1"]
+    flags += ["--warmup-epochs", "1", "--kl-coef", "0", "--bc-coef", "1"]
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    proc = run_train(*flags, "--updates", "2", "--run-dir", straight)
+    experts = int(proc.stdout.split(" expert steps")[0].split()[-1])  # "1 epoch(s) on N expert"
+    assert experts > 0
+    for m in read_jsonl(os.path.join(straight, "metrics.jsonl")):
+        assert m["num_samples"] == round(m["episode_len"] * m["episodes"]) + experts
+    run_train(*flags, "--updates", "1", "--run-dir", resumed)
+    run_train("--resume", "--updates", "2", "--run-dir", resumed)
+    from safetensors.torch import load_file
+
+    ends = [os.path.join(d, "checkpoints", "update_000002") for d in (straight, resumed)]
+    wa, wb = (load_file(os.path.join(c, "model.safetensors")) for c in ends)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
 def test_resume_drops_the_log_entries_of_lost_updates(tmp_path):
     """Updates logged after the checkpoint are redone on --resume: their old entries must go."""
     for name in ("metrics.jsonl", "advantages.jsonl"):

@@ -253,6 +253,19 @@ def test_the_floor_per_kind_reads_each_task_type(tmp_path):
         )
 
 
+def test_cloning_during_rl_is_alfworlds_and_non_negative(tmp_path):
+    """--bc-coef clones ALFWorld's expert walkthroughs: WebShop has none, and a negative weight
+    would push the expert's actions down; both refused in one line before anything runs."""
+    on, _ = train.parse_args(["--bc-coef", "0.5", "--run-dir", str(tmp_path / "a")], cuda=False)
+    assert on.bc_coef == 0.5
+    with pytest.raises(UsageError, match="WebShop has none: use --bc-coef 0"):
+        train.parse_args(
+            ["--env", "webshop", "--bc-coef", "1", "--run-dir", str(tmp_path / "w")], cuda=False
+        )
+    with pytest.raises(UsageError, match="--bc-coef must be >= 0"):
+        train.parse_args(["--bc-coef", "-1", "--run-dir", str(tmp_path / "n")], cuda=False)
+
+
 def test_bf16_without_bf16_units_says_it_is_slow(monkeypatch, capsys, tmp_path):
     """A config.json made on a CPU with bf16 units, re-run on one without, asks for bf16: it
     runs (the run is the user's to make) and says fp32 would be faster; the machine's own
