@@ -189,10 +189,16 @@ class Args:
         "apply --warmup-floor to each task type's success before RL instead of the training "
         "games' overall success (a type whose groups never succeed trains nothing in RL)",
     )
+    pg_coef: float = arg(
+        1.0,
+        "weight of the rollouts' advantages in the update; 0 = no RL signal (with --bc-coef, "
+        "the cloning alone: the control of docs/RESULTS.md's seventeenth step)",
+    )
     bc_coef: float = arg(
         0.0,
         "keep cloning during RL: every expert step the warm start clones joins each update as "
-        "a sample with this advantage (E12, clipped as any sample); 0 = off. ALFWorld only",
+        "a sample with this advantage (E12, clipped as any sample); 0 = off. ALFWorld only; "
+        "the preset's value applies only with a warm start (--warmup-epochs >= 1)",
     )
     # eval, logging, checkpoints
     eval_temperature: float = arg(0.4, "sampling temperature of evaluation")
@@ -277,6 +283,9 @@ CPU_ALFWORLD = dict(
     # steps): a type whose groups never succeed trains nothing
     warmup_floor=0.03,
     warmup_floor_per_kind=True,
+    # the cloning kept on in RL, each expert step a sample of every update: a type the other's
+    # steps would make the run lose keeps its walkthrough (RESULTS, 17th step)
+    bc_coef=1.0,
     lr=5e-5,
     lr_ramp_updates=3,  # lr/3, 2lr/3, then lr: a first batch of 2 successes moves it less (RESULTS)
     minibatch_size=16,
@@ -401,6 +410,8 @@ def parse_args(argv, cuda=None):
             "--warmup-floor-per-kind applies --warmup-floor to each task type: give "
             "--warmup-floor > 0"
         )
+    if not args.warmup_epochs and flags.get("bc_coef") is None:
+        args.bc_coef = 0.0  # the preset's cloning in RL goes with its warm start
     check_args(args)
     resolve_defaults(args, cuda)
     return args, False
@@ -517,6 +528,7 @@ def check_args(args):
         (args.warmup_games >= 0, "--warmup-games must be >= 0"),
         (0 <= args.warmup_floor <= 1, "--warmup-floor must be in [0, 1] (0 = off)"),
         (args.bc_coef >= 0, "--bc-coef must be >= 0 (0 = off)"),
+        (args.pg_coef >= 0, "--pg-coef must be >= 0 (0 = no RL signal)"),
         (
             not args.warmup_games or args.warmup_epochs,
             "--warmup-games adds games to the warm start: give --warmup-epochs >= 1 too",
@@ -2363,7 +2375,7 @@ def run(args, resuming):
             )
             for s in samples:  # each env step gets its [group][traj][step] advantage
                 g, j = divmod(s["traj"], K)
-                s["advantage"] = advantages[g][j][s["step"]]
+                s["advantage"] = args.pg_coef * advantages[g][j][s["step"]]
             adv_s = time.time() - t0
 
             # ------------------------------------------------------------------------- update (E12)

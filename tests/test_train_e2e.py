@@ -290,7 +290,8 @@ def test_cloning_during_rl_trains_every_expert_step_in_each_update_and_resumes(
     """--bc-coef c: every expert step the warm start clones joins each update as a sample with
     advantage c; with --trainable-layers they carry their frozen blocks' output from the start
     (cpu_sampling.keep_frozen). An update trains on one sample per env step of its episodes
-    and on the expert steps; a run resumed after update 1 ends where the uninterrupted one does."""
+    and on the expert steps; a run resumed after update 1 ends where the uninterrupted one does.
+    --pg-coef 0 scales the rollouts' advantages to 0: with --bc-coef 0 too, no loss at all."""
     flags = [*TINY, "--model", tiny_model, "--data-dir", alfworld_data, "--trainable-layers", "1"]
     flags += ["--warmup-epochs", "1", "--kl-coef", "0", "--bc-coef", "1"]
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
@@ -306,6 +307,11 @@ def test_cloning_during_rl_trains_every_expert_step_in_each_update_and_resumes(
     ends = [os.path.join(d, "checkpoints", "update_000002") for d in (straight, resumed)]
     wa, wb = (load_file(os.path.join(c, "model.safetensors")) for c in ends)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # --pg-coef 0: no RL signal (the cloning's control); without cloning nothing enters the loss
+    none = str(tmp_path / "none")
+    run_train(*flags, "--pg-coef", "0", "--bc-coef", "0", "--updates", "1", "--run-dir", none)
+    (m,) = read_jsonl(os.path.join(none, "metrics.jsonl"))
+    assert m["zero_adv_frac"] < 1 and m["loss"] == 0.0 and m["pg_loss"] == 0.0
 
 
 def test_resume_drops_the_log_entries_of_lost_updates(tmp_path):
