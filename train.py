@@ -197,8 +197,7 @@ class Args:
     bc_coef: float = arg(
         0.0,
         "keep cloning during RL: every expert step the warm start clones joins each update as "
-        "a sample with this advantage (E12, clipped as any sample); 0 = off. ALFWorld only; "
-        "the preset's value applies only with a warm start (--warmup-epochs >= 1)",
+        "a sample with this advantage (E12, clipped as any sample); 0 = off. ALFWorld only",
     )
     # eval, logging, checkpoints
     eval_temperature: float = arg(0.4, "sampling temperature of evaluation")
@@ -283,9 +282,8 @@ CPU_ALFWORLD = dict(
     # steps): a type whose groups never succeed trains nothing
     warmup_floor=0.03,
     warmup_floor_per_kind=True,
-    # the cloning kept on in RL, each expert step a sample of every update: a type the other's
-    # steps would make the run lose keeps its walkthrough (RESULTS, 17th step)
-    bc_coef=1.0,
+    # no cloning in RL (bc_coef 0): it kept both task types, and the cloning alone rose as much,
+    # so the rise would have been the cloning's (RESULTS, 17th step)
     lr=5e-5,
     lr_ramp_updates=3,  # lr/3, 2lr/3, then lr: a first batch of 2 successes moves it less (RESULTS)
     minibatch_size=16,
@@ -410,8 +408,6 @@ def parse_args(argv, cuda=None):
             "--warmup-floor-per-kind applies --warmup-floor to each task type: give "
             "--warmup-floor > 0"
         )
-    if not args.warmup_epochs and flags.get("bc_coef") is None:
-        args.bc_coef = 0.0  # the preset's cloning in RL goes with its warm start
     check_args(args)
     resolve_defaults(args, cuda)
     return args, False

@@ -112,7 +112,7 @@ def test_the_cpu_preset_is_per_environment(tmp_path):
     assert (alf.invalid_penalty, web.invalid_penalty) == (0.0, 0.1)  # issue 37's fourteenth step
     assert (alf.warmup_floor, alf.warmup_max_epochs, web.warmup_floor) == (0.03, 6, 0.0)  # 15th
     assert (alf.warmup_floor_per_kind, web.warmup_floor_per_kind) == (True, False)  # 16th step
-    assert (alf.bc_coef, web.bc_coef) == (1.0, 0.0)  # 17th step
+    assert (alf.bc_coef, web.bc_coef) == (0.0, 0.0)  # 17th step: the rise was the cloning's
     # issue 20: the eval that can tell: the training games, >= 32 episodes, before and after RL only
     assert alf.eval_splits == "train" and alf.eval_repeats * int(alf.num_games.split(",")[0]) >= 32
     assert alf.eval_every == alf.updates
@@ -256,18 +256,9 @@ def test_the_floor_per_kind_reads_each_task_type(tmp_path):
 
 def test_cloning_during_rl_is_alfworlds_and_non_negative(tmp_path):
     """--bc-coef clones ALFWorld's expert walkthroughs: WebShop has none, and a negative weight
-    would push the expert's actions down; both refused in one line before anything runs. The
-    preset's value goes with its warm start: --warmup-epochs 0 turns it off unless given."""
+    would push the expert's actions down; both refused in one line before anything runs."""
     on, _ = train.parse_args(["--bc-coef", "0.5", "--run-dir", str(tmp_path / "a")], cuda=False)
     assert on.bc_coef == 0.5
-    cold, _ = train.parse_args(
-        ["--warmup-epochs", "0", "--run-dir", str(tmp_path / "c")], cuda=False
-    )
-    assert cold.bc_coef == 0.0  # the preset's cloning goes with its warm start
-    given, _ = train.parse_args(
-        ["--warmup-epochs", "0", "--bc-coef", "1", "--run-dir", str(tmp_path / "g")], cuda=False
-    )
-    assert given.bc_coef == 1.0
     with pytest.raises(UsageError, match="WebShop has none: use --bc-coef 0"):
         train.parse_args(
             ["--env", "webshop", "--bc-coef", "1", "--run-dir", str(tmp_path / "w")], cuda=False
