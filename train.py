@@ -1491,6 +1491,28 @@ def warm_start(args, model, tok, prompt, settings, ranks=None):
     return more
 
 
+def expert_replay(args, model, tok, prompt, settings, frozen=0):
+    """--bc-coef: this rank's share of the expert steps the warm start clones, as samples that
+    every update adds to its own, advantage --bc-coef (docs/RESULTS.md, the seventeenth step).
+    With `frozen` bottom blocks (a CPU), each carries their output as a rollout's samples do
+    (cpu_sampling.keep_frozen), computed once: those blocks never change."""
+    replay = walkthrough_samples(args, prompt, tok, settings)[RANK::WORLD_SIZE]
+    for s in replay:
+        s["traj"] += args.num_groups * args.group_size  # after the batch's trajectories
+        s["advantage"] = args.bc_coef
+        s["expert"] = True
+    if frozen:
+        from extras import cpu_sampling
+
+        pad = model.generation_config.pad_token_id
+        device = next(model.parameters()).device
+        options = (args.temperature, args.precision, args.logit_chunk)
+        cpu_sampling.keep_frozen(
+            model, replay, lambda b: response_logprobs(model, collate(b, pad, device), *options)
+        )
+    return replay
+
+
 def below_floor(before, floor, per_kind=False):
     """What keeps --warmup-floor cloning: the eval's success on the training games before RL, or
     with per_kind each task type's, where it is below the floor, as 'name success' strings; []
@@ -2299,21 +2321,9 @@ def run(args, resuming):
             if log:
                 log.write({"update": 0, **before}, None, [], [])
 
-        replay = []  # --bc-coef: expert steps every update trains on too (docs/RESULTS.md)
+        replay = []  # --bc-coef: expert steps every update trains on too (off in every preset)
         if args.bc_coef:
-            replay = walkthrough_samples(args, prompt, tok, pool.kwargs)[RANK::WORLD_SIZE]
-            for s in replay:
-                s["traj"] += args.num_groups * args.group_size  # after the batch's trajectories
-                s["advantage"] = args.bc_coef
-                s["expert"] = True
-            if depth:  # their frozen blocks' output, as a rollout keeps it; those never change
-                pad = model.generation_config.pad_token_id
-                settings = (args.temperature, args.precision, args.logit_chunk)
-                fast.keep_frozen(
-                    model,
-                    replay,
-                    lambda b: response_logprobs(model, collate(b, pad, device), *settings),
-                )
+            replay = expert_replay(args, model, tok, prompt, pool.kwargs, depth)
 
         K = args.group_size
         bar = tqdm(
