@@ -2427,8 +2427,11 @@ def run(args, resuming):
 
             # --------------------------------------------------------- memory (E10), schedule (E11)
             if args.dump_advantages:  # debug: the advantage each sample trained with
-                seen = [[s["traj"] // K, s["traj"] % K, s["step"], s["advantage"]] for s in samples]
-                seen = [row for row, s in zip(seen, samples) if not s.get("expert")]
+                seen = [
+                    [s["traj"] // K, s["traj"] % K, s["step"], s["advantage"]]
+                    for s in samples
+                    if not s.get("expert")  # --bc-coef's expert steps are no group's
+                ]
                 if ranks:
                     seen = ranks.gather(seen)
                 if log:
