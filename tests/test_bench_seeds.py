@@ -504,3 +504,53 @@ def test_compare_check_readme(tmp_path):
     readme.write_text("# tigpo\n")
     r = compare_py(tmp_path / "results", "--check", readme)
     assert r.returncode == 1 and "has no <!-- comparison:start -->" in r.stderr
+
+
+def test_every_seed_pools_the_sets_and_reads_the_bar_worked_by_hand(tmp_path):
+    """bench/every_seed.py: per set and pooled, the bar's three terms, the shuffle test between
+    sets and the share of drawn sets of 8 that meet the bar, on numbers worked by hand."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import every_seed
+
+    # set a: gains +0.4, +0.5 (mean +0.45, both rise); set b: +0.3 and 0.0 (a flat run)
+    write_results(tmp_path / "a", {"tigpo": {1: (0.1, 0.5), 2: (0.2, 0.7)}})
+    write_results(tmp_path / "b", {"tigpo": {3: (0.3, 0.6), 4: (0.2, 0.2)}})
+    # seed 3 wins no training episode in updates 4-8: 5 in a row after update 2, the bar's stall
+    metrics = tmp_path / "b" / "tigpo" / "seed3" / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    for r in rows:
+        if 4 <= r["update"] <= 8:
+            r["success_rate"] = 0.0
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    a = every_seed.read_set(str(tmp_path / "a"), "tigpo")
+    b = every_seed.read_set(str(tmp_path / "b"), "tigpo")
+    assert [r["stretch"] for r in a + b] == [0, 0, 5, 0]
+    assert every_seed.meets_bar(a) and not every_seed.meets_bar(b)
+    assert not every_seed.meets_bar(b[:1])  # rises +0.30, but the stall
+    assert every_seed.longest_stretch([{"update": u, "success_rate": 0.0} for u in range(6)]) == 3
+
+
+def test_every_seed_prints_the_table_and_the_draws(tmp_path, capsys):
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import every_seed
+
+    write_results(tmp_path / "a", {"tigpo": {1: (0.1, 0.5), 2: (0.2, 0.7)}})
+    write_results(tmp_path / "b", {"tigpo": {3: (0.3, 0.6), 4: (0.2, 0.2)}})
+    every_seed.main([str(tmp_path / "a"), str(tmp_path / "b"), "--draws", "4000"])
+    out = capsys.readouterr().out
+    rows = {line.split(" | ")[0][2:]: line for line in out.splitlines() if line.startswith("| ")}
+    # a: n = 2, gain 0.45 (s 0.0707: +- 12.7062 * 0.05 = 0.635)
+    assert rows["a"] == "| a | 2 | 0.15 → 0.60 | +0.45 [-0.19, +1.09] | 2 of 2 | 0 | — | yes |"
+    # b: gains 0.3, 0.0: mean 0.15 (s 0.2121: +- 1.906); one flat run, so the bar is not met
+    assert rows["b"] == "| b | 2 | 0.25 → 0.40 | +0.15 [-1.76, +2.06] | 1 of 2 | 0 | — | no |"
+    # pooled: 0.4, 0.5, 0.3, 0.0 -> 0.30 (s 0.2160: t_{0.975,3} 3.1824 * 0.1080 = 0.344)
+    assert rows["all 2 sets"].startswith("| all 2 sets | 4 | 0.20 → 0.50 | +0.30 [-0.04, +0.64] |")
+    assert "rises 3 of 4." in out
+    # a drawn set of 8 meets the bar if it holds no flat run (every other gain is >= +0.30):
+    # (3/4)^8 = 10.0 %, up to the draws' own error (4000 draws: +- 0.5 %)
+    share = float(out.split("meet the bar")[1].split(" in ")[1].split("%")[0])
+    assert abs(share - 100 * 0.75**8) < 1.5
+    # 4 runs into two sets of two: 3 partitions, equally likely; the measured one (0.45 against
+    # 0.15) is the most spread of them, so p is 1/3
+    p = float(out.split("p = ")[1].split(" ")[0])
+    assert abs(p - 1 / 3) < 0.03
