@@ -1496,7 +1496,9 @@ def expert_replay(args, model, tok, prompt, settings, frozen=0):
     every update adds to its own, advantage --bc-coef (docs/RESULTS.md, the seventeenth step).
     With `frozen` bottom blocks (a CPU), each carries their output as a rollout's samples do
     (cpu_sampling.keep_frozen), computed once: those blocks never change."""
-    replay = walkthrough_samples(args, prompt, tok, settings)[RANK::WORLD_SIZE]
+    every = walkthrough_samples(args, prompt, tok, settings)
+    say(f"cloning during RL: {len(every)} expert steps join every update, advantage {args.bc_coef}")
+    replay = every[RANK::WORLD_SIZE]
     for s in replay:
         s["traj"] += args.num_groups * args.group_size  # after the batch's trajectories
         s["advantage"] = args.bc_coef
@@ -1679,7 +1681,9 @@ def update_metrics(totals, minibatches, kl_used):
 
 
 def throughput(gen, samples, rollout_s, adv_s, update_s, ranks=None):
-    """Samples, truncated prompts, seconds per phase and tokens/s of one update (over ranks)."""
+    """Samples, truncated prompts, seconds per phase and tokens/s of one update (over ranks);
+    FSDP's filler samples (extras/distributed.PADDING) are no samples."""
+    samples = [s for s in samples if not s.get("padding")]
     tokens = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
     counts = [gen["gen_tokens"], gen["gen_s"], gen["truncated_prompts"], len(samples), tokens]
     if ranks:

@@ -133,12 +133,17 @@ def test_fsdp_run_shards_checkpoints_a_plain_model_and_resumes(tiny_model, alfwo
         "bf16",
     ]
     # the warm start with a KL term: the reference is the warm-started policy on every rank, copied
-    # from the shards in memory (no rank reads a folder another is still writing)
-    torchrun_train("--updates", "1", *common, "--warmup-epochs", "1")
+    # from the shards in memory (no rank reads a folder another is still writing); --bc-coef: each
+    # rank adds its share of the expert steps to every update, the resumed run too
+    proc = torchrun_train("--updates", "1", *common, "--warmup-epochs", "1", "--bc-coef", "1")
+    experts = int(proc.stdout.split(" expert steps join")[0].split()[-1])
     assert os.path.isdir(os.path.join(run_dir, "warmstart"))  # the reference of a resumed run
     torchrun_train("--resume", "--updates", "2", "--run-dir", run_dir)
     metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert [m["update"] for m in metrics] == [1, 2]
+    # over both ranks: one sample per env step, and every expert step once
+    got = [(m["num_samples"], m["episode_len"], m["episodes"]) for m in metrics]
+    assert all(n == round(length * eps) + experts for n, length, eps in got), (experts, got)
     assert all(m["optimizer_steps"] > 1 and m["rollout_logprob_gap"] < 0.05 for m in metrics)
     assert all(m["kl"] is not None and m["kl"] >= 0.0 for m in metrics)
     from transformers import AutoModelForCausalLM

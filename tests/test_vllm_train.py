@@ -84,6 +84,8 @@ def test_train_py_with_the_vllm_engine(alfworld_data, tmp_path):
         "3e-4",
         "--temperature",
         "1.0",
+        "--bc-coef",  # the walkthroughs' expert steps join each update: the trainer's, unsampled
+        "1",
         "--run-dir",
         str(run_dir),
     ]
@@ -93,6 +95,8 @@ def test_train_py_with_the_vllm_engine(alfworld_data, tmp_path):
     with open(run_dir / "metrics.jsonl") as fh:
         rows = [json.loads(line) for line in fh]
     before, updates = rows[0], rows[1:]
+    experts = int(proc.stdout.split(" expert steps join")[0].split()[-1])  # "RL: N expert steps"
+    assert experts > 0
     assert before["update"] == 0 and before["eval/train/episodes"] == 1
     assert [m["update"] for m in updates] == [1, 2]
     for m in updates:
@@ -103,6 +107,9 @@ def test_train_py_with_the_vllm_engine(alfworld_data, tmp_path):
             f"{m['verify_s']:.2f} s"
         )
         assert m["num_samples"] > 0 and m["gen_tokens_per_s"] > 0 and m["sync_s"] > 0
+        # one sample per env step, and the expert steps, which no engine sampled: the gap and
+        # the importance weight below are over the engine's tokens alone
+        assert m["num_samples"] == round(m["episode_len"] * m["episodes"]) + experts
         assert m["rollout_logprob_gap"] < GAP_MEAN and m["rollout_logprob_gap_max"] < GAP_MAX
         assert abs(m["rollout_is_weight"] - 1.0) < 1e-2 and m["rollout_is_clip_frac"] == 0.0
     assert updates[0]["grad_norm"] > 0, "update 1 must move the weights, or update 2 proves no sync"
