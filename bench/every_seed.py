@@ -76,19 +76,19 @@ def meets_bar(runs):
 def row(name, runs):
     kinds = sorted({k for r in runs for k in r["kinds"]})
     each = {k: [r["kinds"][k] for r in runs if k in r["kinds"]] for k in kinds}
-    after = ", ".join(
+    types = ", ".join(
         f"{k} {statistics.fmean(b for b, _ in v):.2f} → {statistics.fmean(a for _, a in v):.2f}"
         for k, v in each.items()
     )
     before = statistics.fmean(r["before"] for r in runs)
-    after_all = statistics.fmean(r["after"] for r in runs)
+    after = statistics.fmean(r["after"] for r in runs)
     rises = sum(r["gain"] > 0 for r in runs)
     stalls = sum(r["stretch"] >= BAR_STRETCH for r in runs)
     gain = shown([r["gain"] for r in runs], sign=True)
     bar = "yes" if meets_bar(runs) else "no"
     return (
-        f"| {name} | {len(runs)} | {before:.2f} → {after_all:.2f} | {gain} "
-        f"| {rises} of {len(runs)} | {stalls} | {after or '—'} | {bar} |"
+        f"| {name} | {len(runs)} | {before:.2f} → {after:.2f} | {gain} "
+        f"| {rises} of {len(runs)} | {stalls} | {types or '—'} | {bar} |"
     )
 
 
